@@ -1,0 +1,3 @@
+from tandemrl.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""`tandem`: the command. Parses first, imports heavy modules after, so `--help` is instant.
+
+Usage errors (bad flags, bad input files, bad values) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {
+    "train": ("tandemrl.cli.train", "train a policy by GRPO-family RL (no arguments: the embedded default)"),
+    "rollout": ("tandemrl.cli.rollout", "serve a model for rollouts over HTTP, with versioned weight sync"),
+    "plot": ("tandemrl.cli.plot", "write a PNG dashboard of a run directory"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="tandem", description="GRPO-family RL with generation and training in tandem.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}")
+    import importlib
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    try:
+        return module.main(argv[1:])
+    except (ValueError, FileNotFoundError) as error:
+        print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""How tokens are produced: the Generator protocol, one typed config per backend, and the factory.
+
+A Generator turns prompt token ids into a Completion. It knows nothing about rewards, envs or
+training. Every backend keeps one invariant: a completion's tokens carry the policy version of the
+weights that produced them, and no token is produced from half-updated weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from tandemrl.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Turns prompt token ids into a Completion; versioned weights, sleep and wake."""
+
+    version: int  # policy version of the live weights
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+
+    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
+class HFConfig:
+    """The `hf` backend: transformers `generate`, any causal LM; slow, obviously correct."""
+
+    model: str = ""
+    """Model id or local directory (ignored when the trainer hands its model in colocate mode)."""
+    dtype: str = "auto"
+    """Weights dtype: auto, float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Device: auto (cuda if present), cpu or cuda."""
+    max_batch_size: int = 256
+    """Most requests batched into one generate call."""
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Our engine: paged KV cache, continuous batching, prefix sharing, CUDA-graph decode."""
+
+    model: str = ""
+    """Model id or local directory (ignored when the trainer hands its model in colocate mode)."""
+    dtype: str = "auto"
+    """Weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Device: auto (cuda if present), cpu or cuda."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may use (weights + KV cache)."""
+    kv_cache_tokens: int = 65536
+    """KV cache size in tokens on CPU (on GPU it is sized from --gpu_memory_utilization)."""
+    max_model_len: int = 4096
+    """Longest prompt + completion a request may have."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_num_seqs: int = 512
+    """Most sequences decoded together."""
+    max_num_batched_tokens: int = 16384
+    """Most tokens prefilled in one engine step."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (debugging)."""
+    tensor_parallel_size: int = 1
+    """GPUs the engine shards its model over."""
+    seed: int = 0
+    """Seed of the engine's sampler for requests without their own seed."""
+
+
+@dataclass(kw_only=True)
+class RemoteConfig:
+    """A client of one or more `tandem rollout` servers; itself a Generator."""
+
+    urls: tuple[str, ...] = ()
+    """Server base URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
+    api_key: str | None = None
+    """Bearer token of the servers (or env TANDEM_API_KEY)."""
+    rollout_server_timeout: float = 240.0
+    """Seconds to wait for the servers to become ready before one clear error."""
+    request_timeout_s: float = 600.0
+    """Seconds one generate request may take before it fails."""
+
+
+GeneratorConfig = HFConfig | EngineConfig | RemoteConfig
+
+
+def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None) -> Generator:
+    """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode."""
+    match config:
+        case EngineConfig():
+            from tandemrl.generation.engine import Engine
+
+            return Engine(config, model=model, tokenizer=tokenizer)
+        case HFConfig():
+            from tandemrl.generation.hf import HFGenerator
+
+            return HFGenerator(config, model=model, tokenizer=tokenizer)
+        case RemoteConfig():
+            from tandemrl.generation.remote import RemoteGenerator
+
+            return RemoteGenerator(config)
+    raise ValueError(f"unknown generator config {config!r}")

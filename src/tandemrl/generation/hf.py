@@ -1,0 +1,139 @@
+"""The `hf` Generator: transformers `generate`, any causal LM. Slow, obviously correct: the parity
+reference for the engine and the fallback for architectures the engine lacks.
+
+Concurrent `generate` calls with equal sampling parameters are batched into one padded call. Weight
+updates and generation take one lock, so no token comes from half-updated weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from tandemrl.generation.base import HFConfig
+from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.types import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class HFGenerator:
+    def __init__(self, config: HFConfig, *, model: Any = None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.version = 0
+        self.device = resolve_device(config.device)
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.model = model or load_model(config.model, dtype=resolve_dtype(config.dtype, self.device), device=self.device)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._flush_task: asyncio.Task | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((prompt_ids, params, future))
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let the other requests of this tick arrive
+        while self._pending:
+            pending, self._pending = self._pending, []
+            by_params: dict[SamplingParams, list] = {}
+            for item in pending:
+                # a seeded request runs alone: generate() draws from one RNG for the whole batch
+                key = item[1] if item[1].seed is None else item
+                by_params.setdefault(key, []).append(item)
+            for items in by_params.values():
+                for start in range(0, len(items), self.config.max_batch_size):
+                    chunk = items[start : start + self.config.max_batch_size]
+                    try:
+                        completions = await asyncio.to_thread(self._generate_batch, [p for p, _, _ in chunk], chunk[0][1])
+                    except Exception as error:  # noqa: BLE001 - the error belongs to the callers
+                        for _, _, future in chunk:
+                            future.done() or future.set_exception(error)
+                        continue
+                    for (_, _, future), completion in zip(chunk, completions):
+                        future.done() or future.set_result(completion)
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, P]
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        eos_ids = list(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
+            eos_ids.append(self.tokenizer.eos_token_id)
+        sample = params.temperature > 0
+        gen_config = GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None,
+            top_k=(0 if params.top_k == -1 else params.top_k) if sample else None,
+            min_p=(params.min_p or None) if sample else None,
+            eos_token_id=eos_ids or None,
+            pad_token_id=pad_id,
+            stop_strings=list(params.stop) or None,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            was_training = self.model.training
+            self.model.eval()
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config, tokenizer=self.tokenizer
+            )
+            self.model.train(was_training)
+            version = self.version
+        new_ids = out.sequences[:, width:]  # [B, T]
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new_ids[..., None])[..., 0]  # [B, T]
+        return [self._completion(row.tolist(), lp.tolist(), params, eos_ids, version) for row, lp in zip(new_ids, logprobs)]
+
+    def _completion(self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int) -> Completion:
+        length, reason = len(ids), "length"
+        for i, token_id in enumerate(ids):
+            if token_id in eos_ids or (params.stop and _ends_with_stop(self.tokenizer.decode(ids[: i + 1]), params.stop)):
+                length, reason = i + 1, "stop"
+                break
+        return Completion(
+            token_ids=ids[:length], logprobs=logprobs[:length], finish_reason=reason, policy_versions=[version] * length
+        )
+
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        await asyncio.to_thread(self._load_weights, weights, version)
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        with self._lock, torch.no_grad():
+            for name, tensor in weights:
+                if name not in params:
+                    raise ValueError(f"update_weights: the model has no parameter {name!r}")
+                target = params[name]
+                if target.data_ptr() != tensor.data_ptr():  # colocated and shared: already live
+                    target.copy_(tensor)
+            self.version = version
+
+    async def sleep(self, level: int) -> None:
+        if level >= 2 and self.device.type == "cuda":
+            await asyncio.to_thread(self.model.to, "cpu")
+
+    async def wake(self) -> None:
+        if self.device.type == "cuda":
+            await asyncio.to_thread(self.model.to, self.device)
+
+    async def close(self) -> None:
+        pass
+
+
+def _ends_with_stop(text: str, stop: tuple[str, ...]) -> bool:
+    return any(s in text for s in stop)

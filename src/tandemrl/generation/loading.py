@@ -1,0 +1,57 @@
+"""Loading models and tokenizers by id or directory, with one-line errors that say what to fix."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def _check_source(name: str) -> None:
+    if not name:
+        raise ValueError("no model given; pass --model with a Hugging Face id or a local directory")
+    looks_local = name.startswith((".", "/", "~")) or os.sep in name and name.count("/") != 1
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        raise FileNotFoundError(f"model directory {name!r} does not exist; pass an existing directory or a hub id")
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    _check_source(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name))
+    except OSError as error:
+        raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    _check_source(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=dtype, attn_implementation="sdpa")
+    except OSError as error:
+        raise FileNotFoundError(f"cannot load a causal LM from {name!r}: {str(error).splitlines()[0]}") from None
+    return model.to(device)

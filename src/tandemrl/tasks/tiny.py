@@ -1,0 +1,74 @@
+"""A tiny policy built in code: a byte-level BPE tokenizer trained on the spot and a random-init
+causal LM from a config. Nothing is downloaded; used by the embedded default and by the tests.
+
+A byte-level BPE survives `save_pretrained` + `AutoTokenizer` under transformers 5 (a word-level
+character tokenizer saved beside a qwen2 config silently loses its whitespace).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE over letters, digits and punctuation, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [string.ascii_letters + " " + string.digits + string.punctuation, "the answer is 42. user assistant system"]
+    tok.train_from_iterator(corpus * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    return tokenizer
+
+
+def build_model(tokenizer: Any, *, model_type: str = "qwen2", seed: int = 0, **overrides: Any) -> Any:
+    """A small random-init causal LM of `model_type` (qwen2, llama, qwen3, ...) sized by `overrides`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    shape.update(overrides)
+    config = AutoConfig.for_model(model_type, **shape)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_tiny(path: str, *, model_type: str = "qwen2", seed: int = 0, **overrides: Any) -> str:
+    """Builds a tiny model + tokenizer and saves both with `save_pretrained` into `path`."""
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, model_type=model_type, seed=seed, **overrides).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,142 @@
+"""The nouns of tandem: small typed records that cross every boundary. Pure data, no torch.
+
+Legend: L tokens of a whole conversation, T sampled tokens of one completion, G group size.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How one completion is sampled. Validated here, so every Generator sees only legal values."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Completion:
+    """One generate() output. Written by a Generator only; never re-tokenized downstream."""
+
+    token_ids: list[int]  # [T] exactly as sampled
+    logprobs: list[float]  # [T] under the distribution actually sampled from
+    finish_reason: FinishReason
+    policy_versions: list[int]  # [T] version of the weights that produced each token
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) == len(self.logprobs) == len(self.policy_versions)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Example:
+    """A dataset row. Written by data loading only.
+
+    `prompt` is a plain string (used as is) or chat messages (the tokenizer's chat template is applied);
+    `columns` holds every other column of the row and is passed to the reward functions by name.
+    """
+
+    prompt: str | list[Message]
+    columns: dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # position in the dataset, for logs and resume
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenTrace:
+    """A whole conversation as the trainer sees it: sampled tokens are trained, context is not.
+
+    Written by the rollout runner only, through the two append methods.
+    """
+
+    token_ids: list[int] = field(default_factory=list)  # [L]
+    loss_mask: list[bool] = field(default_factory=list)  # [L]
+    logprobs: list[float] = field(default_factory=list)  # [L], 0.0 where loss_mask is False
+    policy_versions: list[int] = field(default_factory=list)  # [L], -1 where loss_mask is False
+
+    def append_sampled(self, completion: Completion) -> None:
+        self.token_ids += completion.token_ids
+        self.loss_mask += [True] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self.policy_versions += completion.policy_versions
+
+    def append_context(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.loss_mask += [False] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.policy_versions += [-1] * len(token_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+class RolloutStatus(enum.Enum):
+    OK = "ok"
+    TRUNCATED = "truncated"  # hit max tokens: may be masked out of the loss
+    ERROR = "error"  # the rollout raised; logged with its traceback, never trained
+
+
+@dataclass(kw_only=True, slots=True)
+class Rollout:
+    """A conversation played to its end. The rollout runner writes trace, text and status; the
+    rewards step writes `rewards` (one entry per reward function, None = not applicable) and `reward`."""
+
+    example: Example
+    trace: TokenTrace
+    completion_text: str = ""
+    finish_reason: FinishReason = "stop"
+    status: RolloutStatus = RolloutStatus.OK
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    reward: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Group:
+    """G rollouts of one example. `advantages` is written by the group-relative advantage step."""
+
+    example: Example
+    rollouts: list[Rollout]
+    advantages: list[float] = field(default_factory=list)  # [G]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    """What one optimizer step trains on: the groups of that step. Written by the pipeline only."""
+
+    groups: list[Group]
+    policy_version: int  # version of the weights being trained (before the step)
+
+    def traces(self) -> list[TokenTrace]:
+        return [r.trace for g in self.groups for r in g.rollouts]
+
+    def advantages(self) -> list[float]:
+        return [a for g in self.groups for a in g.advantages]

@@ -1,0 +1,80 @@
+"""Weight sync: how the trainer's new weights reach the generators, with a version on every update.
+
+Tensors travel by Hugging Face parameter name. A publish is all-or-nothing on the receiving side:
+the generator switches to `version` only once every tensor arrived, so nothing is generated from
+half-updated weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from tandemrl.generation.base import Generator
+
+
+class WeightSync(Protocol):
+    """Pushes named tensors to the generators and makes `version` live there."""
+
+    async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
+class LocalSyncConfig:
+    """Colocate: the generator lives in the trainer's process; an in-memory copy by name."""
+
+    move_model_batches: int = 1
+    """Split the weights into this many batches when syncing (bounds the extra memory of a gather)."""
+
+
+@dataclass(kw_only=True)
+class DistributedSyncConfig:
+    """Server: weights pushed over a torch.distributed group (NCCL on GPUs, gloo on CPU) or CUDA IPC."""
+
+    weight_sync_port: int = 51216
+    """Port where the trainer and the rollout servers rendezvous for weight sync."""
+    weight_sync_bucket_mb: int = 256
+    """Size of the flattened buckets tensors travel in."""
+    weight_sync_timeout_s: float = 120.0
+    """Deadline of every collective: a dead peer becomes an error within it."""
+    update_mode: str = "drain"
+    """drain (finish in-flight requests, then update) or pause (freeze them between decode steps)."""
+
+
+WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig
+
+
+def build_weight_sync(config: WeightSyncConfig, generator: Generator) -> WeightSync:
+    """The one place a weight-sync backend is chosen."""
+    match config:
+        case LocalSyncConfig():
+            from tandemrl.weights.local import LocalSync
+
+            return LocalSync(config, generator)
+        case DistributedSyncConfig():
+            from tandemrl.weights.distributed import DistributedSync
+
+            return DistributedSync(config, generator)
+    raise ValueError(f"unknown weight sync config {config!r}")
+
+
+def batched(weights: Iterable[tuple[str, Any]], num_batches: int, total: int) -> Iterator[list[tuple[str, Any]]]:
+    """Splits named tensors into `num_batches` lists of about equal count.
+
+    Example: batched([("a", 1), ("b", 2), ("c", 3)], 2, 3) -> [("a", 1), ("b", 2)], [("c", 3)]
+    """
+    size = max(1, -(-total // max(1, num_batches)))
+    batch: list[tuple[str, Any]] = []
+    for item in weights:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

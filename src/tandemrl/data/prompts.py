@@ -1,0 +1,40 @@
+"""Prompts into token ids: a string is tokenized as is, chat messages through the chat template.
+
+Invariant: the ids returned are exactly what the Generator receives; nothing re-tokenizes them later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandemrl.types import Message
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[Message]) -> list[int]:
+    """Token ids of one prompt, ready for generation.
+
+    A string gets no special tokens added (as TRL does); messages get the chat template with the
+    assistant turn opened (`add_generation_prompt=True`).
+    Example (ChatML): [{"role": "user", "content": "hi"}] -> ids of "<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template, so chat-message prompts cannot be encoded; "
+            "use a model with a chat template (an -Instruct model) or give plain string prompts"
+        )
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def check_prompt_length(ids: list[int], max_prompt_length: int, index: int) -> None:
+    """Raises ValueError when example `index`'s prompt has more than `max_prompt_length` tokens."""
+    if len(ids) > max_prompt_length:
+        raise ValueError(
+            f"prompt of example {index} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
+            "raise --max_prompt_length or shorten the prompt"
+        )

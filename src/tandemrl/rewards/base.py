@@ -1,0 +1,146 @@
+"""Loading reward functions by name and scoring completions with all of them at once.
+
+Invariant: `score` returns one total and, per function, one value (float or None) for every completion,
+or raises a one-line ValueError that names the function at fault. A generative judge is one more
+reward function (an `async def` that calls a Generator), loaded and scored like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandemrl.rewards.builtins import BUILTINS
+
+USAGE = "use one of math_accuracy, format, length, or module:function / path/file.py:function"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardFunc:
+    """A named reward function: `fn(prompts, completions, **columns) -> list[float | None]`, sync or async.
+
+    `name` keys its metrics (`rewards/<name>`) and its entry in `Rollout.rewards`.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+
+
+def load_reward_funcs(names: list[str]) -> list[RewardFunc]:
+    """Resolves each name: a built-in, `module:function`, or `path/to/file.py:function`.
+
+    Example: ["math_accuracy", "my_rewards:brevity"] -> [RewardFunc(name="math_accuracy", ...),
+    RewardFunc(name="brevity", ...)]
+    """
+    funcs = [_load_one(name) for name in names]
+    seen: set[str] = set()
+    for func in funcs:
+        if func.name in seen:
+            raise ValueError(f"reward function '{func.name}' is given twice; list each reward function once")
+        seen.add(func.name)
+    return funcs
+
+
+async def score(
+    funcs: list[RewardFunc],
+    weights: list[float] | None,
+    prompts: list[Any],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+) -> tuple[list[float], dict[str, list[float | None]]]:
+    """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
+
+    Async functions are awaited concurrently; sync ones run in worker threads meanwhile. As in TRL
+    (nansum), a None adds nothing to the total and the other weights are not renormalised.
+    Example: values {"a": [1.0, None], "b": [0.5, 0.5]}, weights [1.0, 2.0] -> totals [2.0, 1.0]
+    """
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ValueError(
+            f"got {len(weights)} reward weights for {len(funcs)} reward functions; pass one weight per function"
+        )
+    assert all(len(v) == len(completions) for v in columns.values()), "columns must align with completions"
+    results = await asyncio.gather(*(_call(f, prompts, completions, columns) for f in funcs))
+    values = {f.name: result for f, result in zip(funcs, results)}
+    totals = [
+        sum(w * v[i] for w, v in zip(weights, results) if v[i] is not None) for i in range(len(completions))
+    ]
+    return [float(t) for t in totals], values
+
+
+async def _call(
+    func: RewardFunc, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+) -> list[float | None]:
+    try:
+        if inspect.iscoroutinefunction(func.fn):
+            result = await func.fn(prompts, completions, **columns)
+        else:
+            result = await asyncio.to_thread(func.fn, prompts, completions, **columns)
+            if inspect.isawaitable(result):
+                result = await result
+    except Exception as error:  # re-raised as one line naming the function; nothing is swallowed
+        message = " ".join(str(error).split())
+        raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}: {message}") from error
+    return _check_values(func.name, result, len(completions))
+
+
+def _check_values(name: str, result: Any, expected: int) -> list[float | None]:
+    if not isinstance(result, (list, tuple)):
+        kind = type(result).__name__
+        raise ValueError(f"reward function '{name}' must return a list of {expected} floats or None, got {kind}")
+    if len(result) != expected:
+        raise ValueError(
+            f"reward function '{name}' returned {len(result)} values for {expected} completions; return one per completion"
+        )
+    for i, value in enumerate(result):
+        if value is not None and (not isinstance(value, numbers.Real) or math.isnan(value)):
+            raise ValueError(
+                f"reward function '{name}' returned {value!r} at position {i}; return floats, or None where not applicable"
+            )
+    return [None if value is None else float(value) for value in result]
+
+
+def _load_one(name: str) -> RewardFunc:
+    if name in BUILTINS:
+        return RewardFunc(name=name, fn=BUILTINS[name])
+    if ":" not in name:
+        raise ValueError(f"unknown reward function '{name}'; {USAGE}")
+    source, attr = name.rsplit(":", 1)
+    module = _load_file(source, name) if source.endswith(".py") else _import(source, name)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(
+            f"reward function '{name}': '{source}' has no function '{attr}'; check the name after the colon"
+        )
+    return RewardFunc(name=attr, fn=fn)
+
+
+def _import(module_name: str, name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        reason = f"cannot import '{module_name}' ({error})"
+        raise ValueError(f"reward function '{name}': {reason}; install it or put it on PYTHONPATH") from None
+
+
+def _load_file(path: str, name: str) -> Any:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"reward function '{name}': file '{path}' does not exist; pass an existing path/file.py:function"
+        )
+    module_name = "tandem_reward_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling inside the file look themselves up here
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,115 @@
+"""Loading Examples from local files and saved datasets, and the errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tandemrl.data.load import load_examples, load_rows
+
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_jsonl_rows_become_examples_in_order(tmp_path) -> None:
+    examples = load_examples(_jsonl(tmp_path / "d.jsonl", ROWS))
+    assert [e.prompt for e in examples] == ["1+1=", "2+2=", "3+3="]
+    assert [e.columns for e in examples] == [{"answer": "2"}, {"answer": "4"}, {"answer": "6"}]
+    assert [e.index for e in examples] == [0, 1, 2]
+
+
+def test_limit_keeps_the_first_rows(tmp_path) -> None:
+    assert [e.prompt for e in load_examples(_jsonl(tmp_path / "d.jsonl", ROWS), limit=2)] == ["1+1=", "2+2="]
+
+
+def test_chat_message_prompts_and_missing_columns_filled_with_none(tmp_path) -> None:
+    rows = [{"prompt": CHAT, "answer": "2"}, {"prompt": "plain", "id": 7}]
+    examples = load_examples(_jsonl(tmp_path / "d.jsonl", rows))
+    assert examples[0].prompt == CHAT
+    assert examples[0].columns == {"answer": "2", "id": None}
+    assert examples[1].columns == {"answer": None, "id": 7}
+
+
+def test_json_list_and_column_object(tmp_path) -> None:
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    (tmp_path / "cols.json").write_text(json.dumps({"prompt": ["a", "b"], "answer": ["1", "2"]}))
+    assert [e.prompt for e in load_examples(str(tmp_path / "rows.json"))] == ["1+1=", "2+2=", "3+3="]
+    assert [e.columns for e in load_examples(str(tmp_path / "cols.json"))] == [{"answer": "1"}, {"answer": "2"}]
+
+
+def test_parquet_with_chat_prompts(tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": CHAT, "answer": "2"}, {"prompt": CHAT, "answer": "3"}]), path)
+    examples = load_examples(path)
+    assert examples[0].prompt == CHAT and examples[1].columns == {"answer": "3"}
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path) -> None:
+    import datasets
+
+    data = datasets.Dataset.from_list(ROWS)
+    data.save_to_disk(str(tmp_path / "flat"))
+    datasets.DatasetDict({"train": data, "test": data.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    assert [e.prompt for e in load_examples(str(tmp_path / "flat"), limit=2)] == ["1+1=", "2+2="]
+    assert len(load_examples(str(tmp_path / "dict"), split="test")) == 1
+    with pytest.raises(ValueError, match=r"has no split 'validation' \(splits: train, test\)"):
+        load_examples(str(tmp_path / "dict"), split="validation")
+
+
+def test_missing_file_names_the_path(tmp_path) -> None:
+    path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(path))):
+        load_examples(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_examples("./no/such/dir")
+
+
+def test_missing_prompt_column_says_rename(tmp_path) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    message = f"dataset {path} has no 'prompt' column (columns: question, answer); rename the prompt column to 'prompt'"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        load_examples(path)
+
+
+@pytest.mark.parametrize("prompt", [3, [], [{"content": "no role"}], ["just a string in a list"], None])
+def test_bad_prompt_names_the_row(tmp_path, prompt) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
+    with pytest.raises(ValueError, match=r"^prompt of row 1 of dataset .*; give a string or a list of \{role, content\} messages$"):
+        load_examples(path)
+
+
+def test_bad_json_line_empty_dataset_and_bad_limit(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match="line 2 of .* is not valid JSON"):
+        load_examples(str(bad))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="has no rows"):
+        load_examples(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_rows(str(bad), limit=0)
+
+
+def test_hub_ids_are_passed_to_datasets_with_their_config(monkeypatch) -> None:
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert len(load_examples("openai/gsm8k:main", split="test", limit=2)) == 2
+    load_examples("someone/data", config="other")
+    assert calls == [("openai/gsm8k", "main", "test"), ("someone/data", "other", "train")]

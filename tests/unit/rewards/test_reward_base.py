@@ -1,0 +1,125 @@
+"""Loading reward functions by name and scoring with them, including every error path."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+
+from tandemrl.rewards.base import RewardFunc, load_reward_funcs, score
+
+
+def _run(funcs, weights, completions, columns=None):
+    columns = columns if columns is not None else {}
+    return asyncio.run(score(funcs, weights, ["p"] * len(completions), completions, columns))
+
+
+def test_loads_builtins_modules_and_files(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "other.py").write_text("def shout(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = load_reward_funcs(["math_accuracy", "my_rewards:brevity", f"{tmp_path / 'other.py'}:shout"])
+    assert [f.name for f in funcs] == ["math_accuracy", "brevity", "shout"]
+    assert funcs[2].fn(["p"], ["c"]) == [0.5]
+
+
+def test_unknown_name_lists_the_choices() -> None:
+    message = "unknown reward function 'x'; use one of math_accuracy, format, length, or module:function / path/file.py:function"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        load_reward_funcs(["x"])
+
+
+def test_bad_module_file_or_attribute_say_the_fix(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
+        load_reward_funcs(["no_such_module_xyz:f"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_reward_funcs([f"{tmp_path / 'missing.py'}:f"])
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_reward_funcs(["tandemrl.rewards.builtins:nope"])
+    with pytest.raises(ValueError, match="given twice"):
+        load_reward_funcs(["format", "tandemrl.rewards.builtins:format"])
+
+
+def test_score_weights_sum_and_none_adds_nothing() -> None:
+    funcs = [
+        RewardFunc(name="a", fn=lambda p, c, **kw: [1.0, None]),
+        RewardFunc(name="b", fn=lambda p, c, **kw: [0.5, 0.5]),
+    ]
+    totals, values = _run(funcs, [1.0, 2.0], ["x", "y"])
+    assert totals == [2.0, 1.0]
+    assert values == {"a": [1.0, None], "b": [0.5, 0.5]}
+    assert _run(funcs, None, ["x", "y"])[0] == [1.5, 0.5]
+
+
+def test_score_passes_columns_by_name() -> None:
+    funcs = load_reward_funcs(["math_accuracy"])
+    totals, _ = _run(funcs, None, ["\\boxed{3}", "\\boxed{4}"], {"answer": ["#### 3", "#### 3"], "id": [1, 2]})
+    assert totals == [1.0, 0.0]
+
+
+def test_async_functions_run_concurrently_with_sync_ones_in_threads() -> None:
+    async def slow_async(prompts, completions, **kw):
+        await asyncio.sleep(0.2)
+        return [1.0] * len(completions)
+
+    def sync_in_thread(prompts, completions, **kw):
+        time.sleep(0.2)
+        return [float(threading.current_thread() is not threading.main_thread())] * len(completions)
+
+    funcs = [RewardFunc(name=f"a{i}", fn=slow_async) for i in range(3)] + [RewardFunc(name="s", fn=sync_in_thread)]
+    start = time.perf_counter()
+    totals, values = _run(funcs, None, ["x"])
+    assert time.perf_counter() - start < 0.6
+    assert totals == [4.0] and values["s"] == [1.0]
+
+
+def test_async_function_loaded_from_a_file(tmp_path) -> None:
+    path = tmp_path / "judge.py"
+    path.write_text(textwrap.dedent("""
+        import asyncio
+        async def judge(prompts, completions, **kw):
+            await asyncio.sleep(0)
+            return [float(len(c)) for c in completions]
+    """))
+    totals, _ = _run(load_reward_funcs([f"{path}:judge"]), None, ["ab", "c"])
+    assert totals == [2.0, 1.0]
+
+
+def test_a_raising_function_becomes_one_line_naming_it() -> None:
+    def broken(prompts, completions, **kw):
+        raise RuntimeError("no column\n'answer'")
+
+    with pytest.raises(ValueError, match=r"^reward function 'broken' raised RuntimeError: no column 'answer'$"):
+        _run([RewardFunc(name="broken", fn=broken)], None, ["x"])
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ([1.0], "reward function 'f' returned 1 values for 2 completions; return one per completion"),
+        (1.0, "reward function 'f' must return a list of 2 floats or None, got float"),
+        ([1.0, "yes"], "reward function 'f' returned 'yes' at position 1; return floats, or None where not applicable"),
+        ([1.0, float("nan")], "reward function 'f' returned nan at position 1; return floats, or None where not applicable"),
+    ],
+)
+def test_wrong_length_or_types_name_the_function(result, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _run([RewardFunc(name="f", fn=lambda p, c, **kw: result)], None, ["x", "y"])
+
+
+def test_weights_must_match_functions() -> None:
+    funcs = load_reward_funcs(["format", "length"])
+    message = "got 1 reward weights for 2 reward functions; pass one weight per function"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _run(funcs, [1.0], ["x"])
+
+
+def test_bools_and_ints_become_floats() -> None:
+    totals, values = _run([RewardFunc(name="f", fn=lambda p, c, **kw: [True, 0])], None, ["x", "y"])
+    assert values["f"] == [1.0, 0.0] and all(type(v) is float for v in values["f"])

@@ -1,0 +1,109 @@
+"""The one place a step's metrics are written: run_dir/metrics.jsonl, TensorBoard, and `--report_to` sinks.
+
+Each metrics.jsonl line is flushed as it is written, so a crash loses nothing already logged; the file
+is appended to, so a resumed run continues it (`read_metrics` keeps the last row of a repeated step).
+Non-finite values are written as null (strict JSON) and read back as NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tandemrl.logging.sinks import build_sinks, flat_row
+
+METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def _json_value(value: Any) -> Any:
+    """Plain JSON numbers: ints stay ints (policy_version), tensors and numpy scalars become floats."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+    """Writes one row of metrics per step, and sample completions, to every sink of a run.
+
+    `report_to` names extra sinks (wandb, trackio); `run_name` defaults to the run directory's name.
+    """
+
+    def __init__(
+        self, run_dir: str | Path, *, report_to: Sequence[str], config: dict[str, Any], run_name: str | None = None
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks = build_sinks(report_to, self.run_dir, config, run_name or self.run_dir.resolve().name)
+        self._metrics_file = _open_append(self.run_dir / METRICS_FILE)
+        self._completions_file = _open_append(self.run_dir / COMPLETIONS_FILE)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Example: log(3, {"reward": 0.5}) appends the line {"step": 3, "reward": 0.5}."""
+        row = {name: _json_value(value) for name, value in metrics.items()}
+        _write_line(self._metrics_file, {"step": step, **row})
+        scalars = {name: float(value) for name, value in row.items() if isinstance(value, int | float)}
+        for sink in self.sinks:
+            sink.log(step, scalars)
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Rows hold prompt, completion, reward and per-function rewards (`rewards/<fn>` or a nested dict)."""
+        rows = [{name: _json_value(v) for name, v in flat_row(row).items()} for row in rows]
+        for row in rows:
+            _write_line(self._completions_file, {"step": step, **row})
+        if rows:
+            for sink in self.sinks:
+                sink.log_completions(step, rows)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self._metrics_file.close()
+        self._completions_file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_append(path: Path) -> Any:
+    """Opens for appending; ends a line torn by a killed writer, so the next row starts on its own line."""
+    torn = False
+    if path.is_file() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+    file = open(path, "a", encoding="utf-8")
+    if torn:
+        file.write("\n")
+    return file
+
+
+def _write_line(file: Any, row: dict[str, Any]) -> None:
+    file.write(json.dumps(row, allow_nan=False) + "\n")
+    file.flush()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """Rows of run_dir/metrics.jsonl in step order; a step logged twice (a resumed run) keeps its last row.
+
+    A torn last line (the writer was killed mid-write) is skipped; null values come back as NaN.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass a run directory written by `tandem train`")
+    by_step: dict[int, dict[str, float]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            by_step[row["step"]] = {k: math.nan if v is None else v for k, v in row.items()}
+    return [by_step[step] for step in sorted(by_step)]

@@ -1,0 +1,156 @@
+"""What a person watches: a rich progress bar on a terminal, a plain heartbeat line otherwise.
+
+Under nohup or CI (stream not a tty) a line like `step 12/200 reward 0.41 kl 0.002 step_time 1.3s eta
+4m05s queue 3` is written at most every `heartbeat_s` seconds, always for the first and last step, and
+on close for a step not yet shown, so a log never ends silent.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from tandemrl.logging.sinks import completion_columns, flat_row
+
+# In the order shown; a metric not logged is left out of the line. "eta" is computed here.
+HEARTBEAT_METRICS = ("reward", "kl", "step_time", "eta", "pipeline/queue_depth")
+LABELS = {"pipeline/queue_depth": "queue"}
+MAX_CELL_CHARS = 400
+
+
+def format_duration(seconds: float) -> str:
+    """Example: 7 -> "7s", 245 -> "4m05s", 3725 -> "1h02m"."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _format_value(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if name.endswith("_time") or name.startswith("time/"):
+        return f"{value:.1f}s"
+    if float(value).is_integer() and abs(value) >= 1:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def _is_tty(stream: TextIO) -> bool:
+    # The stream itself decides, not FORCE_COLOR: a bar redrawn into a nohup log is unreadable.
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """Shows step/total, reward and ETA; the ETA is the mean time per step so far times the steps left."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+        heartbeat_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        stream = sys.stdout if stream is None else stream
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self.interactive = _is_tty(stream)
+        self.console = Console(file=stream, force_terminal=self.interactive, soft_wrap=not self.interactive)
+        self._start_time = clock()
+        self._last_beat: float | None = None
+        self._pending: str | None = None  # the newest heartbeat line not yet written
+        self._bar = self._start_bar() if self.interactive else None
+
+    def _start_bar(self) -> Any:
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        bar = RichProgress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=self.console,
+            get_time=self.clock,
+        )
+        self._task = bar.add_task("train", total=self.total_steps, completed=self.start_step, stats="")
+        bar.start()
+        return bar
+
+    def stats(self, step: int, metrics: dict[str, float]) -> str:
+        """Example: stats(12, {"reward": 0.41, "kl": 0.002}) -> "reward 0.41 kl 0.002 eta 4m05s"."""
+        shown: dict[str, Any] = dict(metrics)
+        done = step - self.start_step
+        if done > 0 and step < self.total_steps:
+            seconds_per_step = (self.clock() - self._start_time) / done
+            shown["eta"] = format_duration(seconds_per_step * (self.total_steps - step))
+        parts = [f"{LABELS.get(name, name)} {_format_value(name, shown[name])}" for name in HEARTBEAT_METRICS if name in shown]
+        return " ".join(parts)
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        """Call after step `step` (1-based: the count of steps done) with that step's metrics."""
+        stats = self.stats(step, metrics)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, stats=stats)
+            return
+        self._pending = f"step {step}/{self.total_steps} {stats}".rstrip()
+        now = self.clock()
+        if self._last_beat is None or now - self._last_beat >= self.heartbeat_s or step >= self.total_steps:
+            self._write_pending()
+            self._last_beat = now
+
+    def _write_pending(self) -> None:
+        if self._pending is not None:
+            self.console.print(self._pending, markup=False, highlight=False)
+            self._pending = None
+
+    def print_completions(self, step: int, rows: list[dict[str, Any]], *, max_rows: int = 4) -> None:
+        """A rich table on a terminal, one plain line per completion otherwise (newlines shown as \\n)."""
+        rows = [flat_row(row) for row in rows[:max_rows]]
+        if not rows:
+            return
+        columns = completion_columns(rows)
+        if self.interactive:
+            table = Table(title=f"step {step}: sample completions", show_lines=True)
+            for column in columns:
+                table.add_column(column, overflow="fold", ratio=4 if column in ("prompt", "completion") else 1)
+            for row in rows:
+                table.add_row(*(_cell(column, row.get(column, ""), MAX_CELL_CHARS) for column in columns))
+            self.console.print(table)
+            return
+        for i, row in enumerate(rows):
+            scores = " ".join(f"{c} {_cell(c, row[c], 20)}" for c in columns if c not in ("prompt", "completion") and c in row)
+            texts = " | ".join(f"{c}: {_cell(c, row[c], MAX_CELL_CHARS)!r}" for c in ("prompt", "completion") if c in row)
+            line = f"step {step} sample {i + 1}/{len(rows)} {scores} | {texts}"
+            self.console.print(line, markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._write_pending()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cell(name: str, value: Any, max_chars: int) -> str:
+    text = value if isinstance(value, str) else _format_value(name, value) if isinstance(value, int | float) else str(value)
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"

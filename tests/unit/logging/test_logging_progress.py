@@ -1,0 +1,84 @@
+import io
+
+import pytest
+
+from tandemrl.logging.progress import Progress, format_duration
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TtyIO(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_heartbeat_line_has_step_reward_kl_time_eta_queue():
+    stream, clock = io.StringIO(), FakeClock()
+    progress = Progress(200, stream=stream, clock=clock)
+    clock.now += 13.0  # 1.3 s per step so far -> 190 steps left take 247 s
+    metrics = {"reward": 0.41, "kl": 0.002, "step_time": 1.31, "pipeline/queue_depth": 3, "entropy": 0.5}
+    progress.update(10, metrics)
+    assert stream.getvalue() == "step 10/200 reward 0.41 kl 0.002 step_time 1.3s eta 4m07s queue 3\n"
+
+
+def test_heartbeat_is_rate_limited_but_shows_first_and_last_step():
+    stream, clock = io.StringIO(), FakeClock()
+    progress = Progress(100, stream=stream, heartbeat_s=30.0, clock=clock)
+    for step in range(1, 101):
+        clock.now += 1.0
+        progress.update(step, {"reward": 0.5})
+    progress.close()
+    steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [1, 31, 61, 91, 100]
+
+
+def test_close_writes_the_newest_step_not_yet_shown():
+    stream, clock = io.StringIO(), FakeClock()
+    progress = Progress(100, start_step=40, stream=stream, clock=clock)
+    for step in range(41, 46):
+        clock.now += 2.0
+        progress.update(step, {"reward": 1.0})
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == ["step 41/100 reward 1 eta 1m58s", "step 45/100 reward 1 eta 1m50s"]
+
+
+def test_plain_completions_are_one_line_each_with_newlines_escaped():
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream)
+    rows = [{"prompt": "2+2?", "completion": "4\ndone", "reward": 1.0, "rewards": {"format": 0.0}}] * 6
+    progress.print_completions(3, rows, max_rows=2)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "step 3 sample 1/2 reward 1 rewards/format 0 | prompt: '2+2?' | completion: '4\\ndone'"
+    assert len(lines) == 2
+
+
+def test_terminal_gets_a_rich_bar_and_table():
+    stream, clock = TtyIO(), FakeClock()
+    with Progress(20, stream=stream, clock=clock) as progress:
+        assert progress.interactive
+        clock.now += 5.0
+        progress.update(5, {"reward": 0.75})
+        progress.print_completions(5, [{"prompt": "what is 2+2", "completion": "four", "reward": 1.0}])
+    out = stream.getvalue()
+    assert "5/20" in out and "reward 0.75" in out and "eta 15s" in out
+    assert "what is 2+2" in out and "four" in out
+
+
+@pytest.mark.parametrize("seconds, text", [(7, "7s"), (59.6, "1m00s"), (245, "4m05s"), (3725, "1h02m")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_force_color_does_not_turn_a_log_file_into_a_progress_bar(monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream)
+    progress.update(10, {"reward": 0.5})
+    assert not progress.interactive and stream.getvalue() == "step 10/10 reward 0.5\n"

@@ -1,0 +1,122 @@
+"""Gradient accumulation equals one big batch, for every aggregation: the loss's central invariant.
+
+The reference is written the way TRL writes it, on a padded [S, T] batch, independently of token_weights.
+"""
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from tandemrl.algo.logprobs import logprobs_and_entropy
+from tandemrl.algo.loss import policy_loss, token_weights
+from tandemrl.algo.presets import DAPO, DR_GRPO, GRPO, LossConfig
+from tandemrl.train.batching import pack, plan_microbatches
+from tandemrl.types import Completion, TokenTrace
+
+VOCAB, HIDDEN, MAX_COMPLETION_LENGTH, BETA, TIS_CAP = 30, 8, 12, 0.05, 1.5
+GSPO_WIDE = LossConfig(clip_low=0.05, clip_high=0.05, aggregation="seq_mean_token_mean", ratio_level="sequence")
+
+
+def _traces(num_sequences: int, generator: torch.Generator) -> list[TokenTrace]:
+    """Random multi-turn traces: context, sampled, context, sampled; sampled logprobs random."""
+
+    def ints(low, high, size=()):
+        return torch.randint(low, high, size, generator=generator).tolist()
+
+    traces = []
+    for _ in range(num_sequences):
+        trace = TokenTrace()
+        for turn in range(2):
+            trace.append_context(ints(0, VOCAB, (ints(1 - turn, 3),)))
+            ids = ints(0, VOCAB, (ints(1, 6),))
+            logprobs = (-torch.rand(len(ids), generator=generator)).tolist()
+            versions = [0] * len(ids)
+            completion = Completion(token_ids=ids, logprobs=logprobs, finish_reason="stop", policy_versions=versions)
+            trace.append_sampled(completion)
+        traces.append(trace)
+    return traces
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+
+
+def _score(model, batch) -> torch.Tensor:
+    return logprobs_and_entropy(model[0](batch.input_ids[0]), model[1], batch.target_ids, chunk_size=7)[0]  # [N]
+
+
+def _accumulated(policy, old, ref, traces, advantages, config, max_tokens):
+    """Sum of policy_loss over micro-batches, each backwarded on its own, as the trainer does."""
+    plan = plan_microbatches([len(t.token_ids) for t in traces], max_tokens)
+    num_tokens = sum(t.num_sampled for t in traces)
+    total, clipped = torch.zeros(()), torch.zeros(())
+    for micro in plan:
+        batch = pack([traces[i] for i in micro], [advantages[i] for i in micro])
+        with torch.no_grad():
+            batch.old_logprobs, ref_logprobs = _score(old, batch), _score(ref, batch)
+        weights = token_weights(
+            batch.seq_index, batch.loss_mask, aggregation=config.aggregation, num_sequences=len(traces),
+            num_tokens=num_tokens, max_completion_length=MAX_COMPLETION_LENGTH,
+        )  # fmt: skip
+        loss, metrics = policy_loss(  # fmt: skip
+            batch, _score(policy, batch), config=config, weights=weights,
+            ref_logprobs=ref_logprobs, beta=BETA, tis_cap=TIS_CAP,
+        )
+        loss.backward()
+        total, clipped = total + loss.detach(), clipped + metrics["clip_ratio"]
+    return total, len(plan), clipped
+
+
+def _padded(values: torch.Tensor, batch) -> torch.Tensor:
+    """[N] -> [S, T_max] of trained tokens only, zero padded."""
+    rows = [values[(batch.seq_index == s) & batch.loss_mask] for s in range(batch.num_sequences)]
+    return pad_sequence(rows, batch_first=True)
+
+
+def _one_big_batch(policy, old, ref, traces, advantages, config):
+    """The TRL-style loss of the whole step at once on a padded batch."""
+    batch = pack(traces, advantages)
+    with torch.no_grad():
+        old_lp, ref_lp = _padded(_score(old, batch), batch), _padded(_score(ref, batch), batch)
+    lp, behaviour = _padded(_score(policy, batch), batch), _padded(batch.behaviour_logprobs, batch)
+    mask = _padded(torch.ones_like(batch.advantages), batch)  # [S, T]
+    adv = torch.tensor(advantages)[:, None]  # [S, 1]
+    log_ratio = lp - old_lp
+    if config.ratio_level == "sequence":
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+        log_ratio = seq.detach() + lp - lp.detach()
+    ratio = log_ratio.exp()
+    surrogate = -torch.min(ratio * adv, ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * adv)
+    tis = (old_lp - behaviour).exp().clamp(max=TIS_CAP)
+    per_token = (surrogate * tis + BETA * ((ref_lp - lp).exp() - (ref_lp - lp) - 1)) * mask
+    if config.aggregation == "token_mean":
+        return per_token.sum() / mask.sum()
+    if config.aggregation == "seq_mean_token_mean":
+        return (per_token.sum(-1) / mask.sum(-1)).mean()
+    return per_token.sum() / (len(traces) * MAX_COMPLETION_LENGTH)
+
+
+@pytest.mark.parametrize(
+    "config", [GRPO, DAPO, DR_GRPO, GSPO_WIDE], ids=["seq_mean_token_mean", "token_mean", "token_sum_norm", "gspo"]
+)
+def test_microbatch_accumulation_equals_one_big_batch_in_loss_and_gradient(config):
+    generator = torch.Generator().manual_seed(1)
+    traces = _traces(7, generator)
+    advantages = torch.randn(7, generator=generator).tolist()
+    policy, old, ref = _model(0), _model(0), _model(2)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))  # ratios spread, some tokens clipped
+
+    total, num_micro, clipped = _accumulated(policy, old, ref, traces, advantages, config, max_tokens=16)
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    expected = _one_big_batch(policy, old, ref, traces, advantages, config)
+    expected.backward()
+
+    assert num_micro >= 3 and 0 < clipped < 1  # several micro-batches; some tokens clipped, not all
+    torch.testing.assert_close(total, expected.detach(), atol=1e-6, rtol=1e-5)
+    for grad, p in zip(grads, policy.parameters()):
+        assert p.grad.abs().sum() > 0
+        torch.testing.assert_close(grad, p.grad, atol=1e-6, rtol=1e-5)

@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from tandemrl.algo.logprobs import logprobs_and_entropy
+
+
+def _plain(hidden, head, target_ids, temperature):
+    logits = head(hidden).float() / temperature  # [N, V]
+    logprobs = logits.log_softmax(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logprobs.gather(-1, target_ids[:, None]).squeeze(-1), entropy
+
+
+def _case(num_tokens=37, hidden_size=8, vocab=50, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden_size, generator=generator))
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator, requires_grad=True)
+    return hidden, head, torch.randint(vocab, (num_tokens,), generator=generator)
+
+
+def test_uniform_logits_give_log_one_over_v_and_entropy_log_v():
+    head = torch.nn.Linear(1, 2, bias=False)
+    torch.nn.init.zeros_(head.weight)
+    logprobs, entropy = logprobs_and_entropy(torch.ones(1, 1), head, torch.tensor([0]))
+    torch.testing.assert_close((logprobs, entropy), (torch.tensor([-math.log(2)]), torch.tensor([math.log(2)])))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(temperature):
+    hidden, head, target_ids = _case()
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8)
+    (logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    ref_logprobs, ref_entropy = _plain(hidden, head, target_ids, temperature)
+    (ref_logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    assert logprobs.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+
+
+def _saved_shapes(fn) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves for backward while `fn` runs."""
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return shapes
+
+
+def test_no_logits_are_saved_for_backward_only_inputs():
+    hidden, head, target_ids = _case(num_tokens=64, hidden_size=8, vocab=50)
+    # the probe sees a plain full-logits computation save [N, V] tensors...
+    assert (64, 50) in _saved_shapes(lambda: _plain(hidden, head, target_ids, 1.0))
+    # ...and the chunked one save no logits at all (not even a chunk's): at most its inputs, ~N x (H + 1)
+    shapes = _saved_shapes(lambda: logprobs_and_entropy(hidden, head, target_ids, chunk_size=16))
+    assert shapes and all(50 not in shape for shape in shapes)
+    assert sum(math.prod(shape) for shape in shapes) <= 64 * (8 + 1) + head.weight.numel()
+
+
+def test_backward_recomputes_one_chunk_of_logits_at_a_time():
+    hidden, head, target_ids = _case(num_tokens=64, vocab=50)
+    shapes = []
+    handle = head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    logprobs, _ = logprobs_and_entropy(hidden, head, target_ids, chunk_size=16)
+    logprobs.sum().backward()
+    handle.remove()
+    assert shapes == [(16, 50)] * 8  # 4 chunks in forward, 4 recomputed in backward, never [64, 50]
+
+
+def test_no_grad_scoring_skips_checkpointing_and_matches():
+    hidden, head, target_ids = _case()
+    with torch.no_grad():
+        logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, chunk_size=5)
+        ref_logprobs, ref_entropy = _plain(hidden, head, target_ids, 1.0)
+    torch.testing.assert_close((logprobs, entropy), (ref_logprobs, ref_entropy), atol=1e-5, rtol=1e-5)
+
+
+def test_zero_temperature_is_refused_with_the_reason():
+    hidden, head, target_ids = _case()
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs_and_entropy(hidden, head, target_ids, temperature=0.0)

@@ -2,12 +2,15 @@
 reference for the engine and the fallback for architectures the engine lacks.
 
 Concurrent `generate` calls with equal sampling parameters are batched into one padded call. Weight
-updates and generation take one lock, so no token comes from half-updated weights.
+updates and generation take one lock, so no token comes from half-updated weights. Seeds: a batch of
+seeded requests is seeded by all their seeds together, so a run is reproducible when batches are
+(the synchronous pipeline); only the engine makes each request's sample independent of its batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
@@ -46,14 +49,15 @@ class HFGenerator:
             pending, self._pending = self._pending, []
             by_params: dict[SamplingParams, list] = {}
             for item in pending:
-                # a seeded request runs alone: generate() draws from one RNG for the whole batch
-                key = item[1] if item[1].seed is None else item
-                by_params.setdefault(key, []).append(item)
+                by_params.setdefault(dataclasses.replace(item[1], seed=None), []).append(item)
             for items in by_params.values():
                 for start in range(0, len(items), self.config.max_batch_size):
                     chunk = items[start : start + self.config.max_batch_size]
                     try:
-                        completions = await asyncio.to_thread(self._generate_batch, [p for p, _, _ in chunk], chunk[0][1])
+                        seeds = [params.seed for _, params, _ in chunk]
+                        seed = None if None in seeds else hash(tuple(seeds)) % 2**63
+                        params = dataclasses.replace(chunk[0][1], seed=seed)
+                        completions = await asyncio.to_thread(self._generate_batch, [p for p, _, _ in chunk], params)
                     except Exception as error:  # noqa: BLE001 - the error belongs to the callers
                         for _, _, future in chunk:
                             future.done() or future.set_exception(error)
@@ -85,8 +89,10 @@ class HFGenerator:
             return_dict_in_generate=True,
             output_scores=True,
         )
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-            if params.seed is not None:
+        seeded = params.seed is not None
+        devices = [] if self.device.type == "cpu" else [self.device]
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=devices, enabled=seeded):
+            if seeded:
                 torch.manual_seed(params.seed)
             was_training = self.model.training
             self.model.eval()

@@ -1,0 +1,185 @@
+"""Builds the parts of a training run from their leaf configs and runs the loop (after parsing, so the
+heavy imports here never slow `--help`)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tandemrl.config import TrainConfig
+from tandemrl.data.load import load_examples
+from tandemrl.data.prompts import check_prompt_length, encode_prompt
+from tandemrl.data.sampler import PromptCursor
+from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
+from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
+from tandemrl.rewards.base import load_reward_funcs
+from tandemrl.tasks import get_task
+from tandemrl.tasks.synthetic import TINY_MODEL
+from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state
+from tandemrl.train.trainer import Trainer
+from tandemrl.types import SamplingParams
+from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig, build_weight_sync
+
+log = logging.getLogger(__name__)
+
+
+def run(config: TrainConfig) -> Path:
+    """Runs the whole training; returns the run directory."""
+    run_dir = _run_dir(config)
+    checkpoint = _resume_point(config, run_dir)
+    torch.manual_seed(config.run.seed)
+    tokenizer, model = _policy(config, checkpoint)
+    examples, prompt_ids = _data(config, tokenizer)
+    trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
+    cursor = PromptCursor(len(examples), seed=config.run.seed)
+    start_step = 0
+    if checkpoint is not None:
+        state = load_state(checkpoint)
+        trainer.load_state_dict(state["trainer"])
+        cursor.load_state_dict(state["cursor"])
+        start_step = state["step"]
+        log.info("resuming from %s (step %d, policy version %d)", checkpoint, start_step, trainer.policy_version)
+    generator, sync = _rollout_side(config, model, tokenizer)
+    parts = LoopParts(
+        examples=examples, prompt_ids=prompt_ids, cursor=cursor, generator=generator, sync=sync, trainer=trainer,
+        tokenizer=tokenizer, reward_funcs=_rewards(config), reward_weights=list(config.reward.reward_weights) or _task_weights(config),
+        params=_sampling(config, tokenizer), logger=None, progress=None, run_dir=run_dir,
+    )
+    _save_config(config, run_dir)
+    from tandemrl.logging.metrics import MetricsLogger
+    from tandemrl.logging.progress import Progress
+
+    parts.logger = MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name)
+    parts.progress = Progress(config.run.max_steps, start_step=start_step)
+    if checkpoint is not None:
+        set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
+    try:
+        asyncio.run(_main(parts, _settings(config), start_step))
+    finally:
+        parts.progress.close()
+        parts.logger.close()
+    return run_dir
+
+
+async def _main(parts: LoopParts, settings: LoopSettings, start_step: int) -> None:
+    # the generator must hold the trainer's current version before the first rollout (resume, servers)
+    await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+    try:
+        await run_loop(parts, settings, start_step=start_step)
+    finally:
+        await parts.sync.close()
+        await parts.generator.close()
+
+
+def _run_dir(config: TrainConfig) -> Path:
+    if config.checkpoint.output_dir:
+        run_dir = Path(config.checkpoint.output_dir)
+    else:
+        run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    latest = run_dir.parent / "latest"
+    if latest.is_symlink() or not latest.exists():
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(run_dir.resolve(), target_is_directory=True)
+    return run_dir
+
+
+def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
+    if not config.checkpoint.resume:
+        return None
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ValueError(f"--resume: no complete checkpoint in {run_dir}; start without --resume or give the right --output_dir")
+    return checkpoint
+
+
+def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
+    device = resolve_device(config.trainer.device)
+    dtype = resolve_dtype(config.trainer.dtype, device)
+    source = str(checkpoint) if checkpoint is not None else config.run.model
+    if source == TINY_MODEL:
+        from tandemrl.tasks.tiny import build_model, build_tokenizer
+
+        tokenizer = build_tokenizer()
+        return tokenizer, build_model(tokenizer, seed=config.run.seed).to(device=device, dtype=dtype)
+    return load_tokenizer(source), load_model(source, dtype=dtype, device=device)
+
+
+def _data(config: TrainConfig, tokenizer: Any) -> tuple[list, list[list[int]]]:
+    if config.data.dataset:
+        examples = load_examples(config.data.dataset, split=config.data.dataset_split)
+    elif config.run.task:
+        examples = get_task(config.run.task).load()
+    else:
+        raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
+    prompt_ids = []
+    for example in examples:
+        ids = encode_prompt(tokenizer, example.prompt)
+        check_prompt_length(ids, config.data.max_prompt_length, example.index)
+        prompt_ids.append(ids)
+    return examples, prompt_ids
+
+
+def _rewards(config: TrainConfig) -> list:
+    names = list(config.reward.reward_funcs)
+    if not names and config.run.task:
+        names = get_task(config.run.task).reward_funcs
+    if not names:
+        raise ValueError("no reward functions: pass --reward_funcs (e.g. math_accuracy format, or module:function)")
+    return load_reward_funcs(names)
+
+
+def _task_weights(config: TrainConfig) -> list[float] | None:
+    if config.reward.reward_funcs or not config.run.task:
+        return None
+    return get_task(config.run.task).reward_weights
+
+
+def _sampling(config: TrainConfig, tokenizer: Any) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(
+        max_tokens=config.algo.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p
+    )
+
+
+def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator."""
+    r = config.rollout
+    if r.rollout_mode == "server":
+        generator = build_generator(RemoteConfig(urls=tuple(r.rollout_server_urls)))
+        return generator, build_weight_sync(DistributedSyncConfig(), generator)
+    device = config.trainer.device
+    backend = EngineConfig(device=device, seed=config.run.seed) if r.generator == "engine" else HFConfig(device=device)
+    generator = build_generator(backend, model=model, tokenizer=tokenizer)
+    return generator, build_weight_sync(LocalSyncConfig(), generator)
+
+
+def _settings(config: TrainConfig) -> LoopSettings:
+    return LoopSettings(
+        max_steps=config.run.max_steps,
+        num_prompts_per_step=config.data.num_prompts_per_step,
+        num_generations=config.data.num_generations,
+        scale_rewards=config.algo.scale_rewards,
+        drop_zero_variance_groups=config.algo.drop_zero_variance_groups,
+        seed=config.run.seed,
+        sleep_level=config.rollout.sleep_level,
+        log_completions_steps=config.log.log_completions_steps,
+        save_steps=config.checkpoint.save_steps,
+        save_total_limit=config.checkpoint.save_total_limit,
+    )
+
+
+def _save_config(config: TrainConfig, run_dir: Path) -> None:
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in config.to_dict().items()}
+    values["resume"] = False
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(values, sort_keys=False))
+    os.replace(tmp, run_dir / "config.yaml")

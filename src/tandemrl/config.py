@@ -1,0 +1,121 @@
+"""Composes the leaf configs into TrainConfig: one flag per leaf field, names unique across leaves.
+
+Leaves live beside the code they configure; the ones here belong to the run as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tandemrl.algo.presets import AlgoConfig
+from tandemrl.train.config import CheckpointConfig, TrainerConfig
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What runs and for how long."""
+
+    task: str = ""
+    """Built-in task (data + rewards + recipe): synthetic or gsm8k. Default: synthetic when no --dataset."""
+    model: str = ""
+    """Policy: a Hugging Face id or local directory (any causal LM), or tandem:tiny (built in code)."""
+    max_steps: int = 150
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed of everything: data order, sampling, init of built-in models."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from and how many a step takes."""
+
+    dataset: str = ""
+    """Hub id, local JSONL/Parquet file or saved dataset with a `prompt` column (other columns go to rewards)."""
+    dataset_split: str = "train"
+    """Split of a hub or saved dataset."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; a longer one is an error naming the example."""
+    num_prompts_per_step: int = 16
+    """Groups (distinct prompts) per optimizer step."""
+    num_generations: int = 8
+    """Rollouts per prompt: the group size G."""
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"--num_generations must be >= 2 for group-relative advantages, got {self.num_generations}")
+        if self.num_prompts_per_step < 1:
+            raise ValueError(f"--num_prompts_per_step must be >= 1, got {self.num_prompts_per_step}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How completions are produced: backend, placement and sampling."""
+
+    generator: str = "hf"
+    """Backend in colocate mode: engine (ours) or hf (transformers generate)."""
+    rollout_mode: str = "colocate"
+    """colocate (engine in the trainer's process) or server (tandem rollout servers)."""
+    rollout_server_urls: tuple[str, ...] = ()
+    """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's logprobs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    min_p: float = 0.0
+    """Min-p sampling (0 = off)."""
+    sleep_level: int = 0
+    """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
+
+    def __post_init__(self) -> None:
+        if self.generator not in ("engine", "hf"):
+            raise ValueError(f"--generator must be engine or hf, got {self.generator!r}")
+        if self.rollout_mode not in ("colocate", "server"):
+            raise ValueError(f"--rollout_mode must be colocate or server, got {self.rollout_mode!r}")
+        if self.rollout_mode == "server" and not self.rollout_server_urls:
+            raise ValueError("--rollout_mode server needs --rollout_server_urls http://HOST:PORT [...]")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """How completions are scored."""
+
+    reward_funcs: tuple[str, ...] = ()
+    """Reward functions: built-in names (math_accuracy, format, length), module:function or file.py:function."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward function (default 1.0 each)."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    """Where metrics and samples go."""
+
+    report_to: tuple[str, ...] = ()
+    """Extra metric sinks beyond JSONL and TensorBoard: wandb, trackio."""
+    log_completions_steps: int = 25
+    """Print and log a few sample completions every this many steps (0 = never)."""
+    run_name: str = ""
+    """Name of the run in the sinks (default: the run directory's name)."""
+
+
+LEAVES = (RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `tandem train` needs; each leaf is handed to the part it configures."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat {flag: value}, as saved in the run directory and accepted by --config."""
+        return {k: v for leaf in asdict(self).values() for k, v in leaf.items()}

@@ -1,0 +1,38 @@
+"""Plays the G rollouts of one example concurrently (the engine prefills their shared prompt once).
+
+A rollout that raises marks its whole group ERROR (logged with the traceback): the group is not
+trained, and the pipeline counts it in its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from tandemrl.generation.base import Generator
+from tandemrl.rollout.run import play
+from tandemrl.types import Example, Group, RolloutStatus, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+async def play_group(
+    example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, group_size: int, tokenizer: Any, seed: int
+) -> Group:
+    """G rollouts of `example`; rollout g samples with seed `seed + g`, so a run is reproducible."""
+    plays = [
+        play(example, prompt_ids, generator=generator, params=dataclasses.replace(params, seed=seed + g), tokenizer=tokenizer)
+        for g in range(group_size)
+    ]
+    try:
+        rollouts = await asyncio.gather(*plays)
+    except Exception:  # noqa: BLE001 - one of the two broad excepts: a failed group is data, not a crash
+        log.exception("rollout group of example %d failed; it will not be trained", example.index)
+        return Group(example=example, rollouts=[], advantages=[])
+    return Group(example=example, rollouts=list(rollouts))
+
+
+def failed(group: Group) -> bool:
+    return not group.rollouts or any(r.status is RolloutStatus.ERROR for r in group.rollouts)

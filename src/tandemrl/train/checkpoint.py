@@ -1,0 +1,74 @@
+"""Checkpoints: an HF-format model + tokenizer (safetensors, loadable by transformers as is) beside the
+trainer state (optimizer, scheduler, every RNG, data position, policy version).
+
+Invariant: a directory named checkpoint-<step> is complete. It is written under a temporary name and
+renamed at the end, so a crash mid-save leaves only a temporary directory that resume ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PATTERN = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int) -> Path:
+    """Writes run_dir/checkpoint-<step> atomically and prunes the oldest beyond `limit` (0 = keep all)."""
+    run_dir = Path(run_dir)
+    final = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".tmp-checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _prune(run_dir, limit)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in run_dir, or None."""
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*") if (m := PATTERN.match(p.name))]
+    found = [(step, p) for step, p in found if (p / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def load_state(checkpoint: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint (the caller restores RNGs last, after building everything)."""
+    return torch.load(checkpoint / STATE_FILE, weights_only=False)
+
+
+def _prune(run_dir: Path, limit: int) -> None:
+    if limit <= 0:
+        return
+    found = sorted((int(m.group(1)), p) for p in run_dir.glob("checkpoint-*") if (m := PATTERN.match(p.name)))
+    for _, path in found[:-limit]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,55 @@
+"""Leaf configs of the trainer and its checkpoints (torch-free, so `--help` stays instant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Optimizer, schedule and micro-batching of the policy."""
+
+    learning_rate: float = 1e-6
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to the peak learning rate."""
+    lr_scheduler_type: str = "constant"
+    """After warm-up: constant, linear (to 0 at max_steps) or cosine (to 0 at max_steps)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed micro-batch (sequences are packed without padding)."""
+    logprob_chunk_size: int = 1024
+    """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, more time)."""
+    dtype: str = "auto"
+    """Policy weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16."""
+    device: str = "auto"
+    """Training device: auto (cuda if present), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
+            raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError("--max_tokens_per_microbatch must be >= 1")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where the run lives and how it is saved and resumed."""
+
+    output_dir: str = ""
+    """Run directory (default: runs/<date-time>, with runs/latest pointing at it)."""
+    save_steps: int = 50
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    save_total_limit: int = 2
+    """Keep at most this many checkpoints (oldest deleted first; 0 = keep all)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in --output_dir."""

@@ -1,0 +1,153 @@
+"""The trainer: micro-batches -> loss -> backward -> clip -> step -> policy_version += 1.
+
+Sequences are packed without padding into micro-batches by token budget; every micro-batch's loss is
+weighted by counts of the whole optimizer step, so gradient accumulation equals one big batch.
+
+Legend: N packed tokens of a micro-batch, H hidden size, S sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from tandemrl.algo.logprobs import logprobs_and_entropy
+from tandemrl.algo.loss import policy_loss, token_weights
+from tandemrl.algo.presets import AlgoConfig, loss_config
+from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
+from tandemrl.train.config import TrainerConfig
+from tandemrl.types import Batch, RolloutStatus, TokenTrace
+
+
+class Trainer:
+    """Owns the policy's optimizer state and its policy_version (the count of optimizer steps)."""
+
+    def __init__(self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0) -> None:
+        self.config = config
+        self.algo = algo
+        self.loss = loss_config(algo)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.policy_version = 0
+        # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algo.beta > 0 else None
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        total = max(1, max_steps * algo.num_iterations)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """num_iterations optimizer steps over one batch; returns the step's metrics."""
+        traces = [self._trainable(r.trace, r.status) for g in batch.groups for r in g.rollouts]
+        advantages = batch.advantages()
+        plan = plan_microbatches([len(t.token_ids) for t in traces], self.config.max_tokens_per_microbatch)
+        micro = [pack([traces[i] for i in idx], [advantages[i] for i in idx], self.device) for idx in plan]
+        num_tokens = sum(m.num_trained_tokens for m in micro)
+        if num_tokens == 0:
+            return {"train/num_trained_tokens": 0.0}
+        counts = dict(num_sequences=len(traces), num_tokens=num_tokens)
+        ref = [self._logprobs(self.reference, m)[0] for m in micro] if self.reference is not None else None
+        if self.algo.num_iterations > 1:  # the ratio's denominator: the policy before this batch's steps
+            for m in micro:
+                m.old_logprobs = self._logprobs(self.model, m)[0]
+        metrics: dict[str, float] = {}
+        for iteration in range(self.algo.num_iterations):
+            metrics = self._optimizer_step(micro, ref, counts, fresh_old=self.algo.num_iterations == 1)
+        return metrics
+
+    def _optimizer_step(self, micro: list[PackedBatch], ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for i, m in enumerate(micro):
+            loss, parts = self._micro_loss(m, None if ref is None else ref[i], counts, fresh_old=fresh_old)
+            loss.backward()
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        grad_norm = self._clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.policy_version += 1
+        return {**sums, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
+
+    def _micro_loss(self, m: PackedBatch, ref: torch.Tensor | None, counts: dict, *, fresh_old: bool):
+        logprobs, entropy = self._forward(self.model, m)  # [N], [N]
+        if fresh_old:  # one pass per batch: the ratio is 1 in value, its gradient is the policy gradient's
+            m.old_logprobs = logprobs.detach()
+        weights = token_weights(
+            m.seq_index, m.loss_mask, aggregation=self.loss.aggregation, max_completion_length=self.algo.max_completion_length, **counts
+        )  # [N]
+        mean_weights = m.loss_mask.float() / counts["num_tokens"]  # [N]: per-token means over the step
+        loss, metrics = policy_loss(
+            m, logprobs, config=self.loss, weights=weights, ref_logprobs=ref, beta=self.algo.beta,
+            tis_cap=self.algo.tis_cap, metric_weights=mean_weights,
+        )
+        metrics["loss"] = loss.detach()
+        metrics["entropy"] = (mean_weights * entropy).sum()
+        # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version
+        metrics["train/logprob_mismatch"] = (mean_weights * (m.old_logprobs - m.behaviour_logprobs).abs()).sum()
+        return loss, metrics
+
+    def _forward(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        backbone = model.base_model
+        hidden = backbone(input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False).last_hidden_state  # [1, N, H]
+        return logprobs_and_entropy(
+            hidden[0], model.get_output_embeddings(), m.target_ids,
+            temperature=self.temperature, chunk_size=self.config.logprob_chunk_size,
+        )
+
+    @torch.no_grad()
+    def _logprobs(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward(model, m)
+
+    def _trainable(self, trace: TokenTrace, status: RolloutStatus) -> TokenTrace:
+        """Truncated rollouts are kept out of the loss when --mask_truncated_completions is set (DAPO)."""
+        if status is RolloutStatus.TRUNCATED and self.algo.mask_truncated_completions:
+            return dataclasses.replace(trace, loss_mask=[False] * len(trace.loss_mask))
+        return trace
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "reference": None if self.reference is None else self.reference.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_version = state["policy_version"]
+        if self.reference is not None and state["reference"] is not None:
+            self.reference.load_state_dict(state["reference"])
+
+
+def lr_factor(step: int, config: TrainerConfig, total_steps: int) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step`: linear warm-up, then the schedule.
+
+    Example: warmup_steps=2, constant -> step 0: 0.5, 1: 1.0, 2: 1.0
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+    if config.lr_scheduler_type == "linear":
+        return max(0.0, 1.0 - progress)
+    if config.lr_scheduler_type == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0

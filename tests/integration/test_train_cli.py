@@ -1,0 +1,130 @@
+"""`tandem train` end to end, as a user runs it: real subprocesses, a tiny local model, local data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["--num_prompts_per_step", "4", "--num_generations", "4", "--max_completion_length", "6"]
+
+
+def tandem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "tandemrl", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_help_is_instant():
+    for args in (["--help"], ["train", "--help"]):
+        started = time.perf_counter()
+        result = tandem(*args)
+        assert result.returncode == 0, result.stderr
+        assert time.perf_counter() - started < 2.0
+    assert "--num_generations" in tandem("train", "--help").stdout
+
+
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0", *TINY]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert tandem("train", "--output_dir", str(full), *common).returncode == 0
+    first = tandem("train", "--output_dir", str(split), *common, "--max_steps", "2")
+    assert first.returncode == 0, first.stderr
+    resumed = tandem("train", "--output_dir", str(split), "--resume", "--max_steps", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = load_file(full / "checkpoint-4" / "model.safetensors"), load_file(split / "checkpoint-4" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert [m["reward"] for m in metrics(full)] == [m["reward"] for m in metrics(split)]
+    assert [m["step"] for m in metrics(split)] == [1, 2, 3, 4]
+
+
+def test_checkpoint_loads_with_transformers_as_is(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert tandem("train", "--output_dir", str(tmp_path), "--max_steps", "1", *TINY).returncode == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "checkpoint-1")
+    assert model.config.vocab_size == len(tokenizer)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_local_model_and_dataset_with_chat_prompts_and_columns(tmp_path, tiny_model_dir):
+    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}], "solution": str(i)} for i in range(8)]
+    rows += [{"prompt": f"plain {i}", "solution": str(i)} for i in range(8)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    result = tandem(
+        "train", "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", "math_accuracy", "length",
+        "--reward_weights", "1.0", "0.5", "--output_dir", str(tmp_path / "run"), "--max_steps", "2", *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    last = metrics(tmp_path / "run")[-1]
+    assert {"rewards/length/mean", "rewards/math_accuracy/mean", "completions/mean_length"} <= last.keys()
+
+
+def reward_file(tmp_path: Path, body: str) -> str:
+    (tmp_path / "myrewards.py").write_text(body)
+    return f"{tmp_path / 'myrewards.py'}:reward"
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing_column", "no 'prompt' column"),
+        ("unknown_reward", "unknown reward function 'nope'"),
+        ("missing_model", "does not exist"),
+        ("long_prompt", "--max_prompt_length"),
+        ("raising_reward", "ZeroDivisionError"),
+        ("wrong_length", "reward"),
+    ],
+)
+def test_bad_input_is_one_line_error_with_exit_2(tmp_path, tiny_model_dir, case, expected):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hello", "answer": "1"}] * 4)
+    args = ["train", "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", "length", "--output_dir", str(tmp_path / "r"), "--max_steps", "1", *TINY]
+    if case == "missing_column":
+        args[args.index(data)] = write_jsonl(tmp_path / "bad.jsonl", [{"question": "hello"}])
+    elif case == "unknown_reward":
+        args[args.index("length")] = "nope"
+    elif case == "missing_model":
+        args[args.index(tiny_model_dir)] = str(tmp_path / "no-such-model")
+    elif case == "long_prompt":
+        args += ["--max_prompt_length", "1"]
+    elif case == "raising_reward":
+        args[args.index("length")] = reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    return [1 / 0]\n")
+    elif case == "wrong_length":
+        args[args.index("length")] = reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    return [1.0]\n")
+    result = tandem(*args)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower() and "Traceback" not in result.stderr]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_unknown_flag_is_a_usage_error():
+    result = tandem("train", "--num_generationz", "4")
+    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+
+
+@pytest.mark.slow
+def test_embedded_default_learns_within_five_minutes(tmp_path):
+    started = time.perf_counter()
+    result = tandem("train", "--output_dir", str(tmp_path), timeout=600)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    rewards = [m["reward"] for m in metrics(tmp_path)]
+    print(f"default run: {elapsed:.0f}s, first reward {rewards[0]:.3f}, last-10 mean {sum(rewards[-10:]) / 10:.3f}")
+    assert elapsed < 300
+    assert rewards[0] <= 0.3
+    assert sum(rewards[-10:]) / 10 >= 0.9

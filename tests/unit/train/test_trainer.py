@@ -1,0 +1,82 @@
+"""The trainer step: micro-batching equals one big batch; versions count optimizer steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandemrl.algo.presets import AlgoConfig
+from tandemrl.tasks.tiny import build_model, build_tokenizer
+from tandemrl.train.config import TrainerConfig
+from tandemrl.train.trainer import Trainer, lr_factor
+from tandemrl.types import Batch, Completion, Example, Group, Rollout, TokenTrace
+
+
+def make_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> Batch:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        rollouts = []
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(2, 6))]
+        for _ in range(group_size):
+            trace = TokenTrace()
+            trace.append_context(prompt)
+            n = rng.randint(1, 7)
+            trace.append_sampled(Completion(
+                token_ids=[rng.randrange(3, 300) for _ in range(n)], logprobs=[-5.0] * n, finish_reason="stop", policy_versions=[0] * n,
+            ))
+            rollouts.append(Rollout(example=Example(prompt="p"), trace=trace))
+        out.append(Group(example=Example(prompt="p"), rollouts=rollouts, advantages=[rng.uniform(-1, 1) for _ in range(group_size)]))
+    return Batch(groups=out, policy_version=0)
+
+
+def train_once(max_tokens: int, loss_type: str, **algo) -> dict[str, torch.Tensor]:
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=1)
+    config = TrainerConfig(learning_rate=1e-2, max_tokens_per_microbatch=max_tokens)
+    trainer = Trainer(config, AlgoConfig(loss_type=loss_type, **algo), model, max_steps=2)
+    trainer.train_step(make_batch())
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_microbatches_give_the_gradient_of_one_big_batch(loss_type):
+    big, small = train_once(10_000, loss_type), train_once(12, loss_type)
+    assert any(g.abs().max() > 1e-4 for g in big.values())
+    for name in big:
+        torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-7)
+
+
+def test_each_iteration_is_one_optimizer_step_and_one_version():
+    tokenizer = build_tokenizer()
+    trainer = Trainer(TrainerConfig(learning_rate=1e-3), AlgoConfig(num_iterations=3), build_model(tokenizer), max_steps=5)
+    metrics = trainer.train_step(make_batch())
+    assert trainer.policy_version == 3 and metrics["policy_version"] == 3.0
+    assert 0.0 <= metrics["clip_ratio"] <= 1.0 and metrics["entropy"] > 0
+
+
+def test_kl_to_reference_is_zero_before_the_first_step_and_positive_after():
+    tokenizer = build_tokenizer()
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2), AlgoConfig(beta=0.1), build_model(tokenizer), max_steps=5)
+    first = trainer.train_step(make_batch())
+    second = trainer.train_step(make_batch(seed=1))
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7) and second["kl"] > 1e-6
+
+
+def test_truncated_completions_are_masked_when_asked():
+    from tandemrl.types import RolloutStatus
+
+    batch = make_batch()
+    for g in batch.groups:
+        for r in g.rollouts:
+            r.status = RolloutStatus.TRUNCATED
+    tokenizer = build_tokenizer()
+    trainer = Trainer(TrainerConfig(), AlgoConfig(mask_truncated_completions=True), build_model(tokenizer), max_steps=1)
+    assert trainer.train_step(batch) == {"train/num_trained_tokens": 0.0}
+
+
+def test_warmup_then_cosine_schedule():
+    config = TrainerConfig(warmup_steps=2, lr_scheduler_type="cosine")
+    assert [round(lr_factor(s, config, 6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]

@@ -128,3 +128,14 @@ def test_embedded_default_learns_within_five_minutes(tmp_path):
     assert elapsed < 300
     assert rewards[0] <= 0.3
     assert sum(rewards[-10:]) / 10 >= 0.9
+
+
+def test_gsm8k_task_on_local_data(tmp_path, tiny_model_dir):
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} plus one.\n#### {i + 1}"} for i in range(6)]
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    result = tandem(
+        "train", "--task", "gsm8k", "--dataset", data, "--model", tiny_model_dir,
+        "--output_dir", str(tmp_path / "run"), "--max_steps", "1", *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    assert {"rewards/math_accuracy/mean", "rewards/format/mean"} <= metrics(tmp_path / "run")[-1].keys()

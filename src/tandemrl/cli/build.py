@@ -114,10 +114,11 @@ def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
 
 
 def _data(config: TrainConfig, tokenizer: Any) -> tuple[list, list[list[int]]]:
-    if config.data.dataset:
+    if config.run.task:  # a task reads its own data format; --dataset points it at a local or other copy
+        options = {"data": config.data.dataset, "split": config.data.dataset_split} if config.data.dataset else {}
+        examples = get_task(config.run.task, **options).load()
+    elif config.data.dataset:
         examples = load_examples(config.data.dataset, split=config.data.dataset_split)
-    elif config.run.task:
-        examples = get_task(config.run.task).load()
     else:
         raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
     prompt_ids = []

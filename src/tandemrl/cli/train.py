@@ -37,17 +37,18 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
 def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     """defaults < task recipe < run dir's saved config (when resuming) < yaml < flags."""
     values = {**yaml_values, **flags}
-    task = values.get("task") or ("" if values.get("dataset") else "synthetic")
+    saved: dict[str, Any] = {}
+    if values.get("resume") and values.get("output_dir"):
+        saved_path = Path(values["output_dir"]) / "config.yaml"
+        saved = load_yaml(str(saved_path)) if saved_path.exists() else {}
+    chosen = {**saved, **values}
+    task = chosen.get("task") or ("" if chosen.get("dataset") else "synthetic")
     recipe: dict[str, Any] = {}
     if task:
         from tandemrl.tasks import get_task
 
         recipe = dict(get_task(task).recipe)
-    saved: dict[str, Any] = {}
-    if values.get("resume") and values.get("output_dir"):
-        saved_path = Path(values["output_dir"]) / "config.yaml"
-        saved = load_yaml(str(saved_path)) if saved_path.exists() else {}
-    return {**recipe, **saved, **values, "task": task}
+    return {**recipe, **chosen, "task": task}
 
 
 def main(argv: list[str]) -> int:

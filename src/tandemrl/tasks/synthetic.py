@@ -41,7 +41,9 @@ def char_class_reward(prompts: list, completions: list[str], char_class: list[st
     return scores
 
 
-def build_task() -> Task:
+def build_task(data: str | None = None, split: str = "train") -> Task:
+    if data:
+        raise ValueError("the synthetic task makes its own data; drop --dataset or pick another --task")
     return Task(
         name="synthetic",
         description="write characters of the class the prompt names (digits, lowercase, uppercase)",

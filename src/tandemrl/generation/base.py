@@ -7,6 +7,7 @@ weights that produced them, and no token is produced from half-updated weights.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -15,6 +16,8 @@ from tandemrl.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -99,9 +102,16 @@ def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: An
     """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode."""
     match config:
         case EngineConfig():
-            from tandemrl.generation.engine import Engine
+            from tandemrl.generation.engine import Engine, unsupported_reason
 
-            return Engine(config, model=model, tokenizer=tokenizer)
+            reason = unsupported_reason(config, model=model)
+            if reason is None:
+                return Engine(config, model=model, tokenizer=tokenizer)
+            log.warning("engine: %s; falling back to the hf generator", reason)
+            from tandemrl.generation.hf import HFGenerator
+
+            hf_config = HFConfig(model=config.model, dtype=config.dtype, device=config.device)
+            return HFGenerator(hf_config, model=model, tokenizer=tokenizer)
         case HFConfig():
             from tandemrl.generation.hf import HFGenerator
 

@@ -1,0 +1,94 @@
+"""Paged attention: write this step's keys and values into their cache slots, then attend over the cache.
+
+Legend: N new tokens of the step, B sequences, Q most new tokens of one sequence, C longest context,
+H query heads, K key/value heads, D head dim.
+
+Every layer writes the KV of all N tokens before any query reads, so a sequence may read blocks that
+another sequence of the same step is filling (prefix sharing inside one prefill batch).
+Two read paths: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and prefill
+on GPU) and the Triton paged decode kernel (GPU decode, one query per sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in the cache; built once per step by the runner, read by every layer."""
+
+    slot_mapping: Tensor  # [N] int64 cache slot of each new token
+    query_index: Tensor | None = None  # [B, Q] row in N of each (sequence, query); padding points anywhere
+    key_slots: Tensor | None = None  # [B, C] cache slot of each context position; padding -> slot 0
+    mask: Tensor | None = None  # [B, 1, Q, C] True = may attend
+    output_index: Tensor | None = None  # [N] row in B*Q of each new token
+    block_tables: Tensor | None = None  # [B, M] int32 (decode kernel path)
+    context_lens: Tensor | None = None  # [B] int32 (decode kernel path)
+    block_size: int = 16
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.block_tables is not None:
+        from tandemrl.generation.engine.triton_kernels import decode_attention
+
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
+    return gather_attention(q, k_cache, v_cache, meta)
+
+
+def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    batch, width = meta.query_index.shape
+    queries = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
+    keys = _repeat_kv(k_cache[meta.key_slots], num_heads // num_kv_heads)  # [B, H, C, D]
+    values = _repeat_kv(v_cache[meta.key_slots], num_heads // num_kv_heads)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)  # [B, H, Q, D]
+    return out.transpose(1, 2).reshape(batch * width, num_heads, -1)[meta.output_index]
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """[B, C, K, D] -> [B, K*groups, C, D]; query head h reads key head h // groups (as transformers)."""
+    batch, ctx, num_kv_heads, dim = x.shape
+    if groups > 1:
+        x = x[:, :, :, None, :].expand(batch, ctx, num_kv_heads, groups, dim).reshape(batch, ctx, -1, dim)
+    return x.transpose(1, 2)
+
+
+def build_gather_metadata(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Metadata of a step where sequence b computes its last query_lens[b] of context_lens[b] positions.
+
+    Example: query_lens [2, 1], context_lens [2, 3], block_size 2, tables [[5], [7, 8]] ->
+    slot_mapping [10, 11, 16]; sequence 1's query at position 2 sees slots [14, 15, 16].
+    """
+    width, ctx = max(query_lens), max(context_lens)
+    positions = torch.arange(ctx)
+    num_blocks = -(-ctx // block_size)
+    tables = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables])  # [B, M]
+    key_slots = tables[:, positions // block_size] * block_size + positions % block_size  # [B, C]
+    lens = torch.tensor(context_lens)
+    qlens = torch.tensor(query_lens)
+    key_slots = key_slots.masked_fill(positions[None, :] >= lens[:, None], 0)
+    q_pos = (lens - qlens)[:, None] + torch.arange(width)[None, :]  # [B, Q] position of each query
+    valid = torch.arange(width)[None, :] < qlens[:, None]  # [B, Q]
+    q_pos = q_pos.masked_fill(~valid, 0)  # padded queries see position 0 only: no all-masked rows
+    mask = positions[None, None, :] <= q_pos[:, :, None]  # [B, Q, C]
+    starts = torch.cumsum(qlens, 0) - qlens
+    query_index = (starts[:, None] + torch.arange(width)[None, :]).masked_fill(~valid, 0)
+    output_index = (torch.arange(len(query_lens))[:, None] * width + torch.arange(width)[None, :])[valid]
+    slot_mapping = key_slots.gather(1, ((lens - qlens)[:, None] + torch.arange(width)[None, :]).clamp(max=ctx - 1))
+    return AttentionMetadata(
+        slot_mapping=slot_mapping[valid].to(device),
+        query_index=query_index.to(device),
+        key_slots=key_slots.to(device),
+        mask=mask[:, None].to(device),
+        output_index=output_index.to(device),
+    )

@@ -1,0 +1,267 @@
+"""The engine: a Generator whose step loop (schedule -> run -> postprocess) runs in a background thread.
+
+Invariants: every state change of sequences and blocks happens in the engine thread or under the step
+lock; weight updates, sleep and wake take the step lock, so they land between two steps, never inside
+one; a token carries the version live during the step that produced it; every update resets the
+prefix cache. `generate` may be awaited from any asyncio loop; cancelling it aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from tandemrl.generation.base import EngineConfig
+from tandemrl.generation.engine.kv_cache import BlockManager
+from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
+from tandemrl.generation.engine.runner import ModelRunner
+from tandemrl.generation.engine.scheduler import Scheduler
+from tandemrl.generation.engine.sequence import Sequence, seed32
+from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.types import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.version = 0
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = model.config if model is not None else load_hf_config(config.model)
+        reason = unsupported_reason(hf_config)
+        if reason is not None:
+            raise ValueError(f"{reason}; use the hf generator (--generator hf)")
+        self.tokenizer = tokenizer if tokenizer is not None else (load_tokenizer(config.model) if config.model else None)
+        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
+        source = model if model is not None else config.model
+        self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
+        self.eos_ids = _eos_ids(self.tokenizer, hf_config)
+        self.runner = ModelRunner(
+            self.model,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            use_graphs=not config.enforce_eager,
+        )
+        self.runner.prepare_cuda()
+        self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
+        self.runner.allocate_kv_cache(len(self.blocks.blocks))
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
+            max_model_len=self.max_model_len,
+            detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
+        )
+        self._seeds = itertools.count(config.seed * 1_000_003)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._step_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._num_exclusive = 0
+        self._sleeping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # --- the Generator protocol ----------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        self._validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        seq = Sequence(
+            list(prompt_ids),
+            params,
+            seed=seed32(params.seed if params.seed is not None else next(self._seeds)),
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            on_finish=lambda completion: _resolve_threadsafe(loop, future, completion),
+        )
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._inbox.put(("abort", seq))
+            self._wake.set()
+            raise
+
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        await asyncio.to_thread(self._update_weights, weights, version)
+
+    def _update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        with self._between_steps():
+            self.model.load_weights(weights)
+            self.blocks.reset_prefix_cache()
+            self.version = version
+
+    async def sleep(self, level: int) -> None:
+        await asyncio.to_thread(self._sleep, level)
+
+    def _sleep(self, level: int) -> None:
+        with self._between_steps():
+            if self._sleeping:
+                return
+            self.scheduler.preempt_all()
+            self.blocks.reset_prefix_cache()
+            self.runner.free_kv_cache()
+            if level >= 2 and self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._sleeping = True
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self._wake_up)
+
+    def _wake_up(self) -> None:
+        with self._between_steps():
+            if not self._sleeping:
+                return
+            self.model.to(self.device)
+            self.runner.allocate_kv_cache(len(self.blocks.blocks))
+            self._sleeping = False
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+
+    # --- observability -------------------------------------------------------------------------------
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished() + self._inbox.qsize()
+
+    def stats(self) -> dict[str, float]:
+        counters, times = self.scheduler.counters, self.runner.times
+        return {
+            "engine/num_running": len(self.scheduler.running),
+            "engine/num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+            "engine/kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free_blocks,
+            "engine/kv_blocks_total": self.blocks.num_blocks,
+            "engine/num_prefill_tokens": counters.num_prefill_tokens,
+            "engine/num_prefix_hit_tokens": counters.num_prefix_hit_tokens,
+            "engine/num_decode_tokens": counters.num_decode_tokens,
+            "engine/num_preemptions": counters.num_preemptions,
+            "engine/num_steps": times.num_steps,
+            "engine/prepare_s": times.prepare_s,
+            "engine/device_wait_s": times.device_wait_s,
+            "engine/version": self.version,
+        }
+
+    # --- the engine thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._closed:
+                self._fail_all(RuntimeError("the engine was closed"))
+                return
+            if self._sleeping or not self.scheduler.num_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            with self._cond:
+                self._cond.wait_for(lambda: self._num_exclusive == 0)
+            with self._step_lock:
+                if self._sleeping:
+                    continue
+                try:
+                    self.step()
+                except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(error)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        token_ids, logprobs = self.runner.run(batch)
+        for seq in self.scheduler.postprocess(batch, token_ids, logprobs, self.version):
+            seq.on_finish(seq.completion())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(seq)
+            elif self.scheduler.abort(seq):
+                seq.on_finish(seq.completion())
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.finish(seq, "abort")
+            seq.on_finish(error)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        with self._cond:
+            self._num_exclusive += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._num_exclusive -= 1
+                self._cond.notify_all()
+            self._wake.set()
+
+    # --- sizing and validation -----------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        if self.device.type != "cuda":
+            return max(2, config.kv_cache_tokens // config.block_size + 1)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        # head room for activations: the largest prefill, and logits + sampler buffers of a full decode batch
+        hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
+        activations = config.max_num_batched_tokens * hidden * 4 + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
+        budget = total * config.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device) - activations
+        num_blocks = int(budget // self.runner.bytes_per_block())
+        if num_blocks < self.max_model_len // config.block_size + 2:
+            raise ValueError(f"only {num_blocks} KV blocks fit; raise --gpu_memory_utilization or lower --max_model_len")
+        return num_blocks
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("empty prompt: pass at least one token id")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
+        if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
+            raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
+
+
+def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return frozenset([tokenizer.eos_token_id])
+    eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
+
+
+def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
+    def resolve() -> None:
+        if future.done():
+            return
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
+        loop.call_soon_threadsafe(resolve)

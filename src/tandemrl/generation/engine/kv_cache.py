@@ -1,0 +1,124 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, prefix sharing by block hash.
+
+Invariants: a block is in exactly one of `free` or in use (ref_count > 0); a full block's hash is the
+hash of every token up to its end, so a hit on block i implies hits on blocks 0..i-1; block 0 is a
+scratch block never handed out (padded rows of a CUDA graph write their KV there). After a weight
+update `reset_prefix_cache` forgets every hash, so no later request reuses KV of old weights.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tandemrl.generation.engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = -1
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out blocks to sequences; a full prompt block seen before is shared instead of recomputed."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks >= 2, "the KV cache needs at least 2 blocks"
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free blocks in LRU order; a freed block keeps its hash and may be revived by a later hit
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) - 1  # the scratch block is not usable
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_blocks_for(seq.num_tokens) <= len(self.free)
+
+    def allocate(self, seq: Sequence, *, allow_full_hit: bool = False) -> None:
+        """Gives `seq` a block table, reusing cached full blocks of its prefix.
+
+        Unless `allow_full_hit` (a follower whose leader computes the last position's logits in the same
+        step), at least the last block is computed, so a sequence never writes into a shared block.
+        """
+        assert not seq.block_table
+        size, parent, miss = self.block_size, 0, False
+        num_blocks = self.num_blocks_for(seq.num_tokens)
+        hashes = []
+        for i in range(num_blocks):
+            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent = hash((parent, chunk)) if len(chunk) == size else -1
+            hashes.append((parent, chunk))
+        full_hit_limit = num_blocks if allow_full_hit else num_blocks - 1
+        for i, (block_hash, chunk) in enumerate(hashes):
+            block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
+            if miss or i >= full_hit_limit or block_id == -1 or self.blocks[block_id].token_ids != chunk:
+                miss = True
+                block_id = self.take_fresh()
+            else:
+                seq.num_cached_tokens += size
+                block_id = self._take(block_id) if block_id in self.free else self._share(block_id)
+            if block_hash != -1:
+                block = self.blocks[block_id]
+                block.hash, block.token_ids = block_hash, chunk
+                self.hash_to_block[block_hash] = block_id
+            seq.block_table.append(block_id)
+
+    def _take(self, block_id: int) -> int:
+        del self.free[block_id]
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block_id
+
+    def _share(self, block_id: int) -> int:
+        self.blocks[block_id].ref_count += 1
+        return block_id
+
+    def take_fresh(self) -> int:
+        """A block with no hash (its old contents are forgotten by the prefix cache)."""
+        block_id = self._take(next(iter(self.free)))
+        self._forget(block_id)
+        return block_id
+
+    def _forget(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = -1, ()
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the KV of the token at position num_tokens - 1 (written by the next decode)."""
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free)
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq.block_table) * self.block_size < seq.num_tokens:
+            seq.block_table.append(self.take_fresh())
+
+    def reset_prefix_cache(self) -> None:
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, ()

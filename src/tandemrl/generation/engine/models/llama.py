@@ -1,0 +1,223 @@
+"""The Llama family written for inference: Llama 3 (incl. its RoPE scaling), Qwen2/2.5 (qkv bias),
+Qwen3 (q/k RMSNorm). One flat token dimension (no padding), paged attention, fused qkv and gate/up.
+
+Legend: N tokens of the step, E hidden size, H query heads, K key/value heads, D head dim, V vocab.
+
+Parameter names are the Hugging Face ones, except the fused `qkv_proj` and `gate_up_proj`, which
+`load_weight` fills from q/k/v_proj and gate/up_proj, so `update_weights` takes Hugging Face names.
+Numerics follow transformers: RMSNorm in float32, rotate-half RoPE from a float32 cos/sin table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandemrl.generation.engine.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why the engine cannot run this transformers config, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of the engine's {', '.join(SUPPORTED_MODEL_TYPES)}"
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {rope.get('rope_type')!r} is not supported by the engine"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention is not supported by the engine"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not supported by the engine"
+    return None
+
+
+def _rope_parameters(config: Any) -> dict:
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> Tensor:
+    """[D/2] float32 inverse frequencies, with Llama 3 or linear scaling as the config asks."""
+    rope = _rope_parameters(config)
+    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] != "llama3":
+        return inv_freq
+    # Llama 3.1 frequency-dependent scaling (Meta's reference; identical to transformers')
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [N, H, D], cos/sin [N, 1, D] in x's dtype; rotate-half convention of transformers."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
+        hidden = config.hidden_size
+        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        self.qkv_proj = nn.Linear(hidden, sum(self.qkv_sizes), bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.k_cache = self.v_cache = torch.empty(0)  # [S, K, D] views into the runner's cache
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, K, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)  # [N, H, D]
+        return self.o_proj(out.reshape(len(x), -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, head_dim)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [N], positions [N], meta) -> hidden [N, E]; compute_logits(hidden) -> [*, V]."""
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.model = Backbone(config, self.head_dim)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.rope_cos_sin = torch.empty(0)  # [P, 2, D] float32, set by rope_table(); kept out of .to(dtype)
+
+    def rope_table(self) -> Tensor:
+        inv_freq = rope_inv_freq(self.config, self.head_dim)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        return torch.stack((emb.cos(), emb.sin()), dim=1)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = self.model.embed_tokens(input_ids)  # [N, E]
+        cos_sin = self.rope_cos_sin[positions].to(x.dtype)  # [N, 2, D]
+        cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copies Hugging Face-named tensors into this model (a q/k/v or gate/up tensor into its shard of
+        the fused weight). Returns the names of the parameters written."""
+        params, written = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                name = "model.embed_tokens.weight"
+            target, start, size = self._target(name, params)
+            if target is None:
+                continue
+            if start is not None:
+                target = target[start : start + size]
+            if target.data_ptr() != tensor.data_ptr():
+                target.copy_(tensor)
+            written.add(name)
+        return written
+
+    def _target(self, name: str, params: dict[str, Tensor]) -> tuple[Tensor | None, int | None, int]:
+        for part, fused, index in _FUSED:
+            fused_name = name.replace(f".{part}.", f".{fused}.")
+            if fused_name != name and fused_name in params:
+                sizes = self._fused_sizes(fused)
+                return params[fused_name], sum(sizes[:index]), sizes[index]
+        if name in params:
+            return params[name], None, 0
+        if "rotary_emb" in name:
+            return None, None, 0
+        raise ValueError(f"update_weights: the model has no parameter {name!r}")
+
+    def _fused_sizes(self, fused: str) -> list[int]:
+        if fused == "qkv_proj":
+            return self.model.layers[0].self_attn.qkv_sizes
+        size = self.config.intermediate_size
+        return [size, size]
+
+
+_FUSED = (
+    ("q_proj", "qkv_proj", 0),
+    ("k_proj", "qkv_proj", 1),
+    ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)

@@ -1,0 +1,88 @@
+"""Sampling a batch of next tokens, and the logprob of each under the distribution it was drawn from.
+
+Legend: B rows (sequences), V vocab.
+
+Sampling is the Gumbel-max trick with counter-based noise: the noise of row b is a hash of (the
+request's seed, the position being sampled, the vocab index). So a request's samples depend on its
+seed alone, never on what else is in the batch, and a preempted request that recomputes its context
+draws the same tokens again. The same hash runs in torch (here, any device) and in the Triton
+kernel (triton_kernels.py), so the CPU and GPU paths draw the same noise.
+
+Order of the filters (as transformers applies them): temperature, top-k, top-p, min-p. The reported
+logprob is log_softmax of the filtered, tempered logits; greedy rows (temperature 0) report
+log_softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
+
+
+def mix32(x: Tensor) -> Tensor:
+    """lowbias32 (C. Wellons): a 32-bit integer hash, on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32  # wraps in int64 for large x; the low 32 bits stay exact
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
+    """The noise key of each row: [B] int64 in [0, 2**32), from the request seed and sampled position."""
+    return mix32((mix32(seeds) + positions * GOLDEN32) & MASK32)
+
+
+def gumbel_noise(keys: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] float32 standard Gumbel noise, a pure function of (key, vocab index)."""
+    index = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    bits = mix32((keys[:, None] + index[None, :] * GOLDEN32) & MASK32)  # [B, V]
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one step, on the logits' device."""
+
+    temperatures: Tensor  # [B] float32, 0 = greedy
+    top_k: Tensor  # [B] int64, V when off
+    top_p: Tensor  # [B] float32
+    min_p: Tensor  # [B] float32
+    keys: Tensor  # [B] int64 noise keys
+    needs_filter: bool  # any row with top-k, top-p or min-p
+
+
+def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Sets excluded tokens to -inf: top-k, then top-p, then min-p, each on what the last left."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(vocab_size, device=logits.device)[None, :]
+    excluded = ranks >= t.top_k[:, None]  # [B, V] in sorted order
+    sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    excluded |= ((probs.cumsum(-1) - probs) >= t.top_p[:, None]) & (t.top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    excluded |= probs < t.min_p[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor]:
+    """Returns (token_ids [B] int64, logprobs [B] float32). The reference path, any device."""
+    logits = logits.float()  # [B, V]
+    greedy = t.temperatures == 0
+    scaled = logits / torch.where(greedy, 1.0, t.temperatures)[:, None]
+    if t.needs_filter:
+        scaled = torch.where(greedy[:, None], scaled, filter_logits(scaled, t))
+    logprobs = scaled.log_softmax(-1)
+    noise = gumbel_noise(t.keys, logits.shape[-1]).masked_fill_(greedy[:, None], 0.0)
+    token_ids = (logprobs + noise).argmax(-1)
+    return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]

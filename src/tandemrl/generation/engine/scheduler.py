@@ -1,0 +1,182 @@
+"""Token-level batching: which sequences run this step, and what happens to them after it.
+
+A step is either a prefill (admit waiting sequences while blocks and the token budget allow) or a
+decode (one token for every running sequence; when blocks run out the newest running sequence is
+preempted: its blocks are freed and it waits to re-prefill prompt + sampled tokens, which gives the
+same tokens as an unpreempted run, because sampling noise depends on (seed, position) alone).
+
+Prefix sharing: a waiting sequence whose whole context equals one already admitted in this step is a
+follower: it shares the leader's full blocks, gets a copy of the leader's partial last block after the
+forward, and samples from the leader's last logits. A group of G equal prompts prefills one prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandemrl.generation.engine.kv_cache import BlockManager
+from tandemrl.generation.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work. Written by the scheduler, read by the runner."""
+
+    seqs: list[Sequence]  # every sequence that samples a token this step
+    num_new_tokens: list[int]  # [len(seqs)] tokens each computes (0 = a follower)
+    sample_rows: list[int]  # [len(seqs)] index, among sequences that compute, of the logits each samples
+    is_prefill: bool
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic token counters, read by stats(); written by the scheduler only."""
+
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens whose KV was computed
+    num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache or shared with a leader
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.counters = Counters()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch(seqs=[], num_new_tokens=[], sample_rows=[], is_prefill=True)
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        leader_rows: dict[int, int] = {}
+        num_tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            key = tuple(seq.token_ids)
+            leader = leaders.get(key)
+            cost = 0 if leader else seq.num_tokens
+            if num_tokens + cost > self.max_num_batched_tokens or not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, allow_full_hit=leader is not None)
+            if leader is None:
+                leaders[key] = seq
+                leader_rows[seq.seq_id] = len(leader_rows)
+                new_tokens = seq.num_tokens - seq.num_cached_tokens
+            else:
+                new_tokens = 0
+                self._share_partial_block(leader, seq, batch)
+            num_tokens += new_tokens
+            self.counters.num_prefill_tokens += new_tokens
+            self.counters.num_prefix_hit_tokens += seq.num_tokens - new_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(new_tokens)
+            batch.sample_rows.append(leader_rows[(leader or seq).seq_id])
+        return batch if batch.seqs else None
+
+    def _share_partial_block(self, leader: Sequence, follower: Sequence, batch: ScheduledBatch) -> None:
+        if follower.num_tokens % self.blocks.block_size:  # the follower's last block is its own copy
+            batch.block_copies.append((leader.block_table[-1], follower.block_table[-1]))
+        follower.num_cached_tokens = follower.num_tokens
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.blocks.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.blocks.may_append(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        if not scheduled:
+            return None
+        self.counters.num_decode_tokens += len(scheduled)
+        return ScheduledBatch(seqs=scheduled, num_new_tokens=[1] * len(scheduled), sample_rows=list(range(len(scheduled))), is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.blocks.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.counters.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int) -> list[Sequence]:
+        """Appends each sampled token; returns the sequences that finished (their blocks are freed)."""
+        finished = []
+        for seq, token_id, logprob in zip(batch.seqs, token_ids, logprobs):
+            seq.token_ids.append(token_id)
+            seq.logprobs.append(logprob)
+            seq.policy_versions.append(version)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        if finished:
+            self.drop_finished()
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if token_id in seq.stop_ids:
+            return "stop"
+        stop = seq.params.stop
+        if stop and self.detokenize is not None:
+            # a stop string of n characters ends within the last n tokens (each token has >= 1 byte)
+            window = max(len(s) for s in stop) + 1
+            tail = self.detokenize(seq.output_ids[-window:])
+            if any(s in tail for s in stop):
+                return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Marks `seq` finished and frees its blocks; the caller drops it from `running`."""
+        seq.finish_reason = reason
+        seq.status = Status.FINISHED
+        self.blocks.deallocate(seq)
+
+    def drop_finished(self) -> None:
+        self.running = deque(s for s in self.running if s.status is not Status.FINISHED)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Removes `seq` wherever it is; False when it had already finished."""
+        if seq.status is Status.FINISHED:
+            return False
+        (self.waiting if seq.status is Status.WAITING else self.running).remove(seq)
+        self.finish(seq, "abort")
+        return True
+
+    def preempt_all(self) -> None:
+        """Frees every block (the engine goes to sleep): running sequences wait to re-prefill."""
+        while self.running:
+            self._preempt(self.running.pop())

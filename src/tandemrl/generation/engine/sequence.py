@@ -1,0 +1,72 @@
+"""One request inside the engine: its tokens, its KV blocks, and what it has sampled so far.
+
+Written only by the engine thread (scheduler, block manager, postprocess). `token_ids` always holds
+prompt + sampled tokens, so a preempted sequence re-prefills exactly the context it had.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandemrl.types import Completion, FinishReason, SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def seed32(seed: int) -> int:
+    """Folds an arbitrary Python int seed into 32 bits (the sampler's counter-based noise key)."""
+    return (seed ^ (seed >> 32) ^ (seed >> 64)) & _MASK32
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request in flight. `block_table` lists its KV blocks; the first `num_cached_tokens` tokens
+    were found in the prefix cache at admission and are not recomputed."""
+
+    token_ids: list[int]  # [P + T] prompt then sampled tokens
+    params: SamplingParams
+    seed: int  # 32-bit key of this request's sampling noise
+    stop_ids: frozenset[int]
+    on_finish: Callable[[Completion], None] | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = 0
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # [T]
+    policy_versions: list[int] = field(default_factory=list)  # [T]
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(
+            token_ids=self.output_ids,
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            policy_versions=list(self.policy_versions),
+        )

@@ -1,0 +1,131 @@
+"""Triton kernels of the GPU path: paged decode attention and fused Gumbel-max sampling.
+
+Legend: B sequences, H query heads, K key/value heads, G = H / K, D head dim, M blocks per sequence,
+V vocab. Imported only on CUDA; the pure-PyTorch reference of each is in attention.py / sampler.py,
+and tests/gpu checks one against the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, scale,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_btb, stride_ob, stride_oh,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # one program per (sequence, key/value head): its G query heads share every key load (GQA)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q_rows = kv_head * G + g
+    q = tl.load(q_ptr + b * stride_qb + q_rows[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for start in range(0, ctx, TILE):
+        t = start + tl.arange(0, TILE)
+        valid = t < ctx
+        block = tl.load(bt_ptr + b * stride_btb + t // BLOCK, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK + t % BLOCK
+        offsets = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)  # [TILE, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GP, TILE]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)  # [TILE, D]
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        den = den * alpha + tl.sum(p, 1)
+        m = m_new
+    out = acc / den[:, None]
+    tl.store(out_ptr + b * stride_ob + q_rows[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, block_size: int
+) -> Tensor:
+    """q [B, H, D] (one query per sequence), caches [S, K, D], block_tables [B, M] -> [B, H, D]."""
+    batch, num_heads, dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    groups = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    _decode_attention_kernel[(batch, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, dim**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK=block_size, TILE=64,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temps_ptr, keys_ptr, tokens_ptr, logprobs_ptr, stride_b, V, TILE: tl.constexpr):
+    # one program per row, one pass over the vocab: online logsumexp of the tempered logits and an
+    # online argmax of tempered logits + Gumbel noise (Gumbel-max); greedy rows get no noise
+    row = tl.program_id(0)
+    temp = tl.load(temps_ptr + row)
+    greedy = temp == 0.0
+    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    key = tl.load(keys_ptr + row)
+    run_max = tl.full([TILE], float("-inf"), tl.float32)
+    run_sum = tl.zeros([TILE], tl.float32)
+    best_score = tl.full([TILE], float("-inf"), tl.float32)
+    best_logit = tl.zeros([TILE], tl.float32)
+    best_index = tl.zeros([TILE], tl.int64)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        valid = v < V
+        z = tl.load(logits_ptr + row * stride_b + v, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        bits = _mix32((key + v.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
+        score = tl.where(valid, z + noise, float("-inf"))
+        new_max = tl.maximum(run_max, z)
+        run_sum = run_sum * tl.exp(run_max - tl.where(new_max == float("-inf"), 0.0, new_max)) + tl.where(valid, tl.exp(z - new_max), 0.0)
+        run_max = new_max
+        better = score > best_score
+        best_score = tl.where(better, score, best_score)
+        best_logit = tl.where(better, z, best_logit)
+        best_index = tl.where(better, v.to(tl.int64), best_index)
+    row_max = tl.max(run_max, 0)
+    lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), 0))
+    top = tl.max(best_score, 0)
+    # the first lane holding the best score, so ties break towards the lower index (as torch.argmax)
+    index = tl.min(tl.where(best_score == top, best_index, V), 0)
+    logit = tl.max(tl.where(best_index == index, best_logit, float("-inf")), 0)
+    tl.store(tokens_ptr + row, index)
+    tl.store(logprobs_ptr + row, logit - lse)
+
+
+def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """Gumbel-max over logits [B, V] of rows without top-k/top-p/min-p -> (token_ids [B], logprobs [B])."""
+    batch, vocab_size = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(batch,)](logits, temperatures, keys, tokens, logprobs, logits.stride(0), vocab_size, TILE=1024, num_warps=4)
+    return tokens, logprobs

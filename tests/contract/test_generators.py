@@ -1,0 +1,93 @@
+"""One contract suite over every Generator backend: add a backend by adding a factory to BACKENDS.
+
+Each factory takes the tiny model directory and returns a Generator (sync; awaitable cleanup via close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandemrl.generation.base import EngineConfig, Generator, HFConfig, build_generator
+from tandemrl.types import SamplingParams
+
+BACKENDS = {
+    "hf": lambda model_dir: build_generator(HFConfig(model=model_dir, device="cpu")),
+    "engine": lambda model_dir: build_generator(EngineConfig(model=model_dir, device="cpu", kv_cache_tokens=2048)),
+}
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(params=list(BACKENDS))
+def generator(request, tiny_model_dir) -> Generator:
+    gen = BACKENDS[request.param](tiny_model_dir)
+    yield gen
+    run(gen.close())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_is_a_generator(generator):
+    assert isinstance(generator, Generator) and generator.version == 0
+
+
+def test_greedy_tokens_and_logprobs_match_a_transformers_forward(generator, reference):
+    prompt = [5, 17, 42, 8, 99]
+    completion = run(generator.generate(prompt, GREEDY))
+    ids = list(prompt)
+    with torch.no_grad():
+        for token_id, logprob in zip(completion.token_ids, completion.logprobs):
+            logits = reference(torch.tensor([ids])).logits[0, -1]
+            assert token_id == int(logits.argmax())
+            assert abs(logprob - float(logits.log_softmax(-1)[token_id])) < 1e-4
+            ids.append(token_id)
+    assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
+    assert completion.policy_versions == [0] * 8
+
+
+def test_stop_token_ends_the_completion_with_it(generator):
+    free = run(generator.generate([3, 4, 5], GREEDY))
+    stop_id = free.token_ids[3]
+    stopped = run(generator.generate([3, 4, 5], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))))
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_id
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+
+
+def test_seeded_sampling_is_reproducible(generator):
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1234, 99)]
+
+    async def both():
+        return await asyncio.gather(*(generator.generate([7, 8], p) for p in params))
+
+    first, again = run(both()), run(both())
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert all(lp <= 0 for c in first for lp in c.logprobs)
+
+
+def test_update_weights_by_hf_names_changes_output_and_version(generator, tiny_model_dir):
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.mul_(-1.0)
+    before = run(generator.generate([9, 10, 11], GREEDY))
+    run(generator.update_weights(new.named_parameters(), version=5))
+    after = run(generator.generate([9, 10, 11], GREEDY))
+    assert generator.version == 5 and after.policy_versions == [5] * 8
+    assert after.token_ids != before.token_ids
+
+
+def test_sleep_and_wake_keep_serving(generator):
+    before = run(generator.generate([1, 2, 3], GREEDY))
+    run(generator.sleep(1))
+    run(generator.wake())
+    assert run(generator.generate([1, 2, 3], GREEDY)).token_ids == before.token_ids

@@ -1,0 +1,269 @@
+"""The engine against transformers (greedy tokens, logprobs) and its own invariants: concurrency,
+prefix sharing, preemption, abort, weight updates, sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
+from tandemrl.generation.engine import Engine
+from tandemrl.generation.hf import HFGenerator
+from tandemrl.types import SamplingParams
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+TEXTS = ("hello there", "the answer is 42", "abc", "x")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make_engine(model_dir: str, **overrides) -> Engine:
+    return Engine(EngineConfig(model=model_dir, device="cpu", **{"kv_cache_tokens": 2048, **overrides}))
+
+
+async def gather(engine, prompts, params):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama3-untied", "qwen3"])
+def family(request, family_dirs):
+    model_dir = family_dirs[request.param]
+    engine = make_engine(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yield engine, reference
+    run(engine.close())
+
+
+def test_greedy_equals_transformers_generate_token_for_token(family):
+    engine, reference = family
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    completions = run(gather(engine, prompts, GREEDY))
+    for prompt, completion in zip(prompts, completions):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+        assert completion.token_ids == expected[0, len(prompt) :].tolist()
+        assert completion.finish_reason == "length"
+
+
+def test_logprobs_equal_a_transformers_forward(family):
+    engine, reference = family
+    prompt = engine.tokenizer.encode("the answer is")
+    for params in (GREEDY, SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True)):
+        completion = run(engine.generate(prompt, params))
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+        temperature = params.temperature or 1.0
+        expected = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_concurrent_requests_submitted_while_others_run_equal_alone(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    alone = [run(engine.generate(p, s)) for p, s in zip(prompts, params)]
+
+    async def staggered():
+        tasks = []
+        for prompt, p in zip(prompts, params):
+            tasks.append(asyncio.create_task(engine.generate(prompt, p)))
+            await asyncio.sleep(0.005)  # later requests join while earlier ones decode
+        return await asyncio.gather(*tasks)
+
+    together = run(staggered())
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert torch.allclose(torch.tensor(sum((c.logprobs for c in together), [])), torch.tensor(sum((c.logprobs for c in alone), [])), atol=1e-5)
+    run(engine.close())
+
+
+def test_group_of_equal_prompts_prefills_the_prompt_once(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    prompt = engine.tokenizer.encode("a group of eight equal prompts, 37 tokens or so, shared")
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    completions = run(gather(engine, [prompt] * 8, params))
+    stats = engine.stats()
+    assert stats["engine/num_prefill_tokens"] == len(prompt)
+    assert stats["engine/num_prefix_hit_tokens"] == 7 * len(prompt)
+    assert len({tuple(c.token_ids) for c in completions}) > 1  # each sample still draws its own tokens
+    assert stats["engine/kv_blocks_used"] == 0
+    run(engine.close())
+
+
+def test_shared_prefix_gives_the_same_tokens_as_no_sharing(family_dirs):
+    prompt = list(range(40, 72))  # exactly two blocks: the follower shares every block
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    shared = make_engine(family_dirs["qwen2"])
+    together = run(gather(shared, [prompt] * 4, params))
+    alone = [run(make_engine(family_dirs["qwen2"]).generate(prompt, p)) for p in params]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def test_preemption_when_blocks_run_out_gives_identical_results(family_dirs):
+    prompts = [list(range(10 + i, 30 + i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
+    roomy = make_engine(family_dirs["qwen2"])
+    tight = make_engine(family_dirs["qwen2"], kv_cache_tokens=12 * 16)  # 12 blocks; 6 x 4 are needed
+    expected = run(gather(roomy, prompts, params))
+    got = run(gather(tight, prompts, params))
+    assert tight.stats()["engine/num_preemptions"] > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert torch.allclose(torch.tensor(sum((c.logprobs for c in got), [])), torch.tensor(sum((c.logprobs for c in expected), [])), atol=1e-4)
+
+
+def test_cancelling_the_awaiting_task_aborts_and_frees_blocks(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    params = SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True)
+
+    async def cancel_one():
+        long = asyncio.create_task(engine.generate(list(range(5, 40)), params))
+        short = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+        while engine.stats()["engine/num_decode_tokens"] < 20:
+            await asyncio.sleep(0.001)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        return await short
+
+    assert len(run(cancel_one()).token_ids) == 4
+    for _ in range(200):
+        if engine.num_unfinished() == 0:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert engine.num_unfinished() == 0 and engine.stats()["engine/kv_blocks_used"] == 0
+    run(engine.close())
+
+
+def test_stop_token_ids_and_stop_strings(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    prompt = engine.tokenizer.encode("the answer is")
+    free = run(engine.generate(prompt, GREEDY))
+    stop_id = free.token_ids[4]
+    by_id = run(engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))))
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    text = engine.tokenizer.decode(free.token_ids)
+    stop = text[len(engine.tokenizer.decode(free.token_ids[:6])) - 1 :][:2]
+    by_text = run(engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop=(stop,))))
+    assert by_text.finish_reason == "stop"
+    assert stop in engine.tokenizer.decode(by_text.token_ids)
+    assert stop not in engine.tokenizer.decode(by_text.token_ids[:-1])
+    run(engine.close())
+
+
+def test_eos_stops_unless_ignored(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    free = run(engine.generate([5, 6, 7], GREEDY))
+    engine.eos_ids = frozenset({free.token_ids[2]})  # pretend the third greedy token is EOS
+    done = run(engine.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0)))
+    assert done.finish_reason == "stop" and done.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[2]) + 1]
+    ignored = run(engine.generate([5, 6, 7], GREEDY))
+    assert ignored.finish_reason == "length" and ignored.token_ids == free.token_ids
+    run(engine.close())
+
+
+def test_update_weights_by_hf_names_matches_new_weights_and_bumps_version(family_dirs):
+    model_dir = family_dirs["llama3-untied"]
+    engine = make_engine(model_dir)
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    prompt = engine.tokenizer.encode("hello there")
+    before = run(engine.generate(prompt, GREEDY))
+    run(engine.update_weights(new.named_parameters(), version=3))
+    after = run(engine.generate(prompt, GREEDY))
+    expected = new.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, len(prompt) :]
+    assert engine.version == 3 and after.policy_versions == [3] * 10 and before.policy_versions == [0] * 10
+    assert after.token_ids == expected.tolist() != before.token_ids
+    assert engine.stats()["engine/num_prefix_hit_tokens"] == 0  # the prefix cache was reset
+    with pytest.raises(ValueError, match="no parameter"):
+        run(engine.update_weights([("model.nope.weight", torch.zeros(1))], version=4))
+    run(engine.close())
+
+
+def test_update_during_generation_lands_between_steps(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    weights = list(AutoModelForCausalLM.from_pretrained(family_dirs["qwen2"]).named_parameters())
+
+    async def pause_mode():
+        task = asyncio.create_task(engine.generate([3, 4, 5], SamplingParams(max_tokens=300, ignore_eos=True)))
+        while engine.stats()["engine/num_decode_tokens"] < 5:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(weights, version=1)
+        return await task
+
+    versions = run(pause_mode()).policy_versions
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    run(engine.close())
+
+
+def test_sleep_frees_the_cache_and_wake_resumes(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    before = run(engine.generate([7, 8, 9], GREEDY))
+    run(engine.sleep(1))
+    assert engine.runner.kv_cache is None
+    run(engine.wake())
+    assert run(engine.generate([7, 8, 9], GREEDY)).token_ids == before.token_ids
+    run(engine.close())
+
+
+def test_invalid_requests_are_rejected_at_the_boundary(family_dirs):
+    engine = make_engine(family_dirs["qwen2"], max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        run(engine.generate([1] * 60, SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="token ids"):
+        run(engine.generate([10**6], SamplingParams(max_tokens=1)))
+    run(engine.close())
+
+
+def test_in_memory_model_is_copied_and_matches(family_dirs):
+    model_dir = family_dirs["qwen3"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = build_generator(EngineConfig(device="cpu", kv_cache_tokens=1024), model=model, tokenizer=make_tok(model_dir))
+    assert isinstance(engine, Engine)
+    prompt = [5, 9, 11, 30]
+    got = run(engine.generate(prompt, GREEDY)).token_ids
+    assert got == model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, 4:].tolist()
+    run(engine.close())
+
+
+def make_tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_other_architectures_fall_back_to_hf_with_a_notice(tmp_path, caplog):
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), model_type="gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    with caplog.at_level(logging.WARNING, logger="tandemrl.generation.base"):
+        generator = build_generator(EngineConfig(model=model_dir, device="cpu"))
+    assert isinstance(generator, HFGenerator)
+    assert "falling back to the hf generator" in caplog.text and "gpt2" in caplog.text
+    with pytest.raises(ValueError, match="hf generator"):
+        Engine(EngineConfig(model=model_dir, device="cpu"))
+    assert isinstance(build_generator(HFConfig(model=model_dir, device="cpu")), HFGenerator)
+
+
+def test_first_tokens_of_many_seeded_requests_follow_the_softmax(family_dirs):
+    engine = make_engine(family_dirs["qwen2"], max_num_seqs=1024)
+    model = AutoModelForCausalLM.from_pretrained(family_dirs["qwen2"], dtype=torch.float32).eval()
+    prompt = engine.tokenizer.encode("the answer")
+    with torch.no_grad():
+        probs = (model(torch.tensor([prompt])).logits[0, -1] / 0.5).softmax(-1)
+    n = 3000
+    params = [SamplingParams(max_tokens=1, temperature=0.5, seed=s) for s in range(n)]
+    tokens = torch.tensor([c.token_ids[0] for c in run(gather(engine, [prompt] * n, params))])
+    top = probs.argsort(descending=True)[:5]  # the 5 likeliest tokens, the rest pooled
+    expected = torch.cat([probs[top], 1 - probs[top].sum(dim=0, keepdim=True)]) * n
+    observed = torch.tensor([(tokens == t).sum() for t in top] + [(~torch.isin(tokens, top)).sum()]).float()
+    keep = expected > 5
+    assert float(((observed - expected)[keep] ** 2 / expected[keep]).sum()) < 20.5  # 5 dof, p = 0.001
+    run(engine.close())

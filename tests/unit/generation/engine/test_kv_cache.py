@@ -1,0 +1,58 @@
+"""Block bookkeeping: prefix hits by block hash, reference counts, never writing into a shared block."""
+
+from __future__ import annotations
+
+from tandemrl.generation.engine.kv_cache import NULL_BLOCK, BlockManager
+from tandemrl.generation.engine.sequence import Sequence
+from tandemrl.types import SamplingParams
+
+
+def seq(token_ids: list[int]) -> Sequence:
+    return Sequence(list(token_ids), SamplingParams(), seed=0, stop_ids=frozenset())
+
+
+def test_full_prompt_blocks_are_shared_and_the_last_block_is_recomputed():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    first, second = seq(list(range(10))), seq(list(range(10)))
+    blocks.allocate(first)
+    blocks.allocate(second)
+    assert second.num_cached_tokens == 8 and second.block_table[:2] == first.block_table[:2]
+    assert second.block_table[2] != first.block_table[2]  # the partial block is never shared
+    exact = seq(list(range(8)))
+    blocks.allocate(exact)
+    assert exact.num_cached_tokens == 4  # a full hit still recomputes its last block
+    assert NULL_BLOCK not in first.block_table + second.block_table + exact.block_table
+
+
+def test_freed_blocks_return_and_cached_blocks_revive():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    first = seq(list(range(8)) + [99])
+    blocks.allocate(first)
+    table = list(first.block_table)
+    blocks.deallocate(first)
+    assert blocks.num_free_blocks == 5
+    again = seq(list(range(8)) + [98])
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == table[:2]
+
+
+def test_reset_prefix_cache_forgets_every_hash():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    blocks.allocate(seq(list(range(9))))
+    blocks.reset_prefix_cache()
+    later = seq(list(range(9)))
+    blocks.allocate(later)
+    assert later.num_cached_tokens == 0
+
+
+def test_append_takes_a_block_only_at_a_block_boundary():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    s = seq([1, 2, 3, 4])
+    blocks.allocate(s)
+    s.token_ids.append(5)  # the next decode writes position 4: a new block
+    assert blocks.can_append(s)
+    blocks.may_append(s)
+    assert len(s.block_table) == 2
+    s.token_ids.append(6)
+    blocks.may_append(s)
+    assert len(s.block_table) == 2

@@ -1,0 +1,82 @@
+"""The sampler: Gumbel-max draws follow the softmax; filters never emit excluded tokens; logprobs are
+under the filtered distribution; noise depends on (seed, position) alone."""
+
+from __future__ import annotations
+
+import torch
+
+from tandemrl.generation.engine.sampler import SamplingTensors, filter_logits, gumbel_noise, row_keys, sample
+
+
+def tensors(batch: int, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, vocab=16, seeds=None) -> SamplingTensors:
+    seeds = torch.arange(batch) if seeds is None else seeds
+    return SamplingTensors(
+        temperatures=torch.full((batch,), temperature),
+        top_k=torch.full((batch,), vocab if top_k == -1 else top_k),
+        top_p=torch.full((batch,), top_p),
+        min_p=torch.full((batch,), min_p),
+        keys=row_keys(seeds, torch.full((batch,), 7)),
+        needs_filter=top_k != -1 or top_p < 1 or min_p > 0,
+    )
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_samples_follow_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
+    n = 20000
+    tokens, _ = sample(logits.expand(n, -1), tensors(n, temperature=0.8, vocab=8))
+    counts = torch.bincount(tokens, minlength=8).float()
+    # 7 degrees of freedom: P(chi2 > 24.3) = 0.001
+    assert chi_square(counts, (logits / 0.8).softmax(-1)) < 24.3
+
+
+def test_top_k_and_top_p_never_emit_excluded_tokens_and_renormalise():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    n = 5000
+    top_k, _ = sample(logits.expand(n, -1), tensors(n, top_k=3, vocab=8))
+    assert set(top_k.tolist()) <= {0, 1, 2}
+    probs = logits.softmax(-1)  # [0.43, 0.26, 0.16, 0.06, ...]: top_p 0.8 keeps the first 3
+    top_p, logprobs = sample(logits.expand(n, -1), tensors(n, top_p=0.8, vocab=8))
+    assert set(top_p.tolist()) == {0, 1, 2}
+    kept = probs[:3] / probs[:3].sum()
+    assert torch.allclose(logprobs, kept.log()[top_p], atol=1e-5)
+    assert chi_square(torch.bincount(top_p, minlength=3).float(), kept) < 13.8  # 2 dof, p = 0.001
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    logits = torch.tensor([2.0, 1.9, 0.0, -1.0])  # probs ~ [0.48, 0.44, 0.06, 0.02]
+    tokens, logprobs = sample(logits.expand(3000, -1), tensors(3000, min_p=0.2, vocab=4))
+    assert set(tokens.tolist()) == {0, 1}
+    kept = logits[:2].softmax(-1)
+    assert torch.allclose(logprobs, kept.log()[tokens], atol=1e-5)
+
+
+def test_filters_compose_in_transformers_order():
+    logits = torch.randn(4, 50)
+    t = tensors(4, top_k=10, top_p=0.5, min_p=0.1, vocab=50)
+    filtered = filter_logits(logits, t)
+    for row, out in zip(logits, filtered):
+        kept = out.isfinite()
+        assert kept.sum() <= 10 and kept[row.argmax()]
+        assert (row[kept].min() >= row[~kept].max()) if (~kept).any() else True
+
+
+def test_greedy_rows_take_the_argmax_and_report_raw_log_softmax():
+    logits = torch.randn(5, 30)
+    tokens, logprobs = sample(logits, tensors(5, temperature=0.0, vocab=30))
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_noise_is_a_function_of_seed_and_position_only():
+    keys = row_keys(torch.tensor([11, 12, 11]), torch.tensor([4, 4, 4]))
+    noise = gumbel_noise(keys, 100)
+    assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
+    alone = gumbel_noise(row_keys(torch.tensor([11]), torch.tensor([4])), 100)
+    assert torch.equal(alone[0], noise[0])
+    other_position = gumbel_noise(row_keys(torch.tensor([11]), torch.tensor([5])), 100)
+    assert not torch.equal(other_position[0], noise[0])

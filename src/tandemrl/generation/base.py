@@ -93,6 +93,8 @@ class RemoteConfig:
     """Seconds to wait for the servers to become ready before one clear error."""
     request_timeout_s: float = 600.0
     """Seconds one generate request may take before it fails."""
+    max_retries: int = 4
+    """Retries of a request whose connection failed (backoff 0.25 s, doubling), within request_timeout_s."""
 
 
 GeneratorConfig = HFConfig | EngineConfig | RemoteConfig

@@ -39,12 +39,16 @@ class DistributedSyncConfig:
 
     weight_sync_port: int = 51216
     """Port where the trainer and the rollout servers rendezvous for weight sync."""
-    weight_sync_bucket_mb: int = 256
+    weight_sync_bucket_mb: float = 256
     """Size of the flattened buckets tensors travel in."""
     weight_sync_timeout_s: float = 120.0
     """Deadline of every collective: a dead peer becomes an error within it."""
     update_mode: str = "drain"
     """drain (finish in-flight requests, then update) or pause (freeze them between decode steps)."""
+    weight_sync_backend: str = "auto"
+    """auto (gloo for CPU weights, CUDA IPC when every server shares the trainer's GPU, else nccl), gloo, nccl or ipc."""
+    weight_sync_host: str = ""
+    """Trainer address the servers connect to (default: the local address that routes to the first server)."""
 
 
 WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig

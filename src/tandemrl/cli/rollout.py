@@ -1,0 +1,60 @@
+"""`tandem rollout`: serve a model for rollouts over HTTP (FastAPI + uvicorn), with versioned weight sync.
+
+Parses and checks the flags first (a non-loopback bind without a key is refused before anything
+loads), imports torch and the backend after, binds, then prints one line with the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+from tandemrl.cli.args import add_config_args, build_config, check_known, load_yaml
+from tandemrl.server.config import RolloutServerConfig
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem rollout", description="Serve a model for rollouts over HTTP, with versioned weight sync.")
+    parser.add_argument("--config", help="YAML file of flag defaults; flags override it")
+    add_config_args(parser, RolloutServerConfig, title="server")
+    args = vars(parser.parse_args(argv))
+    config_path = args.pop("config", None)
+    values: dict[str, Any] = load_yaml(config_path) if config_path else {}
+    check_known(values, [RolloutServerConfig], config_path or "")
+    config = build_config(RolloutServerConfig, {**values, **args})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    serve(config)
+    return 0
+
+
+def serve(config: RolloutServerConfig) -> None:
+    import uvicorn
+
+    from tandemrl.server.build import build_server
+
+    app = build_server(config, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0)
+    sock = _bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    print(f"tandem rollout: serving {config.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, access_log=False))
+    server.run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        raise ValueError(f"cannot bind {host}:{port} ({error.strerror}); pick another --port or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

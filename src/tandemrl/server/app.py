@@ -1,0 +1,191 @@
+"""The rollout server's HTTP skin (FastAPI): native generate/collect/abort, OpenAI routes, health,
+readiness, Prometheus metrics, sleep/wake and weight-sync routes, over a RolloutService.
+
+Invariants: with an API key every route (docs and weight routes included) needs `Authorization:
+Bearer KEY`; a bad request is a 4xx that touches no other request; a client that hangs up aborts its
+generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tandemrl.server import openai
+from tandemrl.server.prompts import Prompter
+from tandemrl.server.service import Busy, RolloutService
+from tandemrl.server.wire import (
+    AbortRequest,
+    CollectRequest,
+    CollectResponse,
+    GenerateRequest,
+    GenerateResponse,
+    Readiness,
+    SleepRequest,
+    WeightGroupRequest,
+    WeightUpdateRequest,
+    WeightUpdateResponse,
+    to_sampling_params,
+)
+
+T = TypeVar("T")
+
+
+def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0) -> FastAPI:
+    """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        beat = asyncio.create_task(service.heartbeat(heartbeat_s)) if heartbeat_s > 0 else None
+        yield
+        if beat is not None:
+            beat.cancel()
+        await service.generator.close()
+
+    app = FastAPI(
+        title="tandem rollout", version="1", lifespan=lifespan, description="Rollout server of tandem: generation over HTTP, versioned weight sync."
+    )
+    app.state.service, app.state.prompter = service, prompter
+    _add_guards(app, api_key)
+
+    @app.get("/health", summary="Liveness")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=Readiness, summary="Readiness: model, version, queue depth, update in progress")
+    async def ready() -> dict[str, Any]:
+        return service.readiness()
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    async def metrics() -> str:
+        return service.metrics_text()
+
+    @app.post("/generate", response_model=GenerateResponse, summary="Sample n completions of one prompt")
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
+        prompt_ids = prompter.encode(prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages)
+        params = to_sampling_params(body)
+        prompter.check(prompt_ids, params)
+        if body.is_async:
+            return GenerateResponse(request_ids=service.submit(prompt_ids, params, body.n))
+        tasks = [asyncio.ensure_future(service.generate(prompt_ids, params)) for _ in range(body.n)]
+        await until_done_or_disconnect(request, asyncio.gather(*tasks, return_exceptions=True))
+        results = [service.result(uuid.uuid4().hex, task) for task in tasks]
+        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+        for error in errors:
+            if isinstance(error, (Busy, ValueError)):  # a full queue (503) or a request the generator refused (400)
+                raise error
+        failed = [r.error for r in results if r.error is not None]
+        if failed:
+            raise HTTPException(500, f"generation failed: {failed[0]}")
+        for r in results:
+            r.text = prompter.decode(r.token_ids)
+        return GenerateResponse(request_ids=[r.request_id for r in results], results=results)
+
+    @app.post("/collect", response_model=CollectResponse, summary="Long-poll results of async requests by id")
+    async def collect(body: CollectRequest) -> CollectResponse:
+        _check_known(service, body.request_ids)
+        results, pending = await service.collect(body.request_ids, body.timeout_s)
+        for r in results:
+            r.text = prompter.decode(r.token_ids)
+        return CollectResponse(results=results, pending=pending)
+
+    @app.post("/abort", summary="Abort requests by id; their results finish with reason abort")
+    async def abort(body: AbortRequest) -> dict[str, list[str]]:
+        _check_known(service, body.request_ids)
+        service.abort(body.request_ids)
+        return {"aborted": body.request_ids}
+
+    @app.post("/sleep", summary="Finish running requests, then free the KV cache (1) and weights (2)")
+    async def sleep(body: SleepRequest) -> dict[str, bool]:
+        await service.sleep(body.level)
+        return {"asleep": True}
+
+    @app.post("/wake", summary="Reload what sleep freed and admit requests again")
+    async def wake() -> dict[str, bool]:
+        await service.wake()
+        return {"asleep": False}
+
+    @app.post("/weights/init", summary="Join the trainer's weight-sync group (sent by the trainer)")
+    async def weights_init(body: WeightGroupRequest) -> dict[str, str]:
+        try:
+            await service.join_weight_group(body.model_dump())
+        except (RuntimeError, OSError) as error:  # torch.distributed raises these for a failed rendezvous
+            raise HTTPException(504, f"could not join weight-sync group {body.group_id}: {error}") from None
+        return {"weight_group": body.group_id}
+
+    @app.post("/weights/update", response_model=WeightUpdateResponse, summary="Receive a whole weight update, then make its version live")
+    async def weights_update(body: WeightUpdateRequest) -> WeightUpdateResponse:
+        current = service.receiver.group_id if service.receiver else None
+        if body.group_id != current:
+            raise HTTPException(409, f"not in weight-sync group {body.group_id} (in {current}); POST /weights/init first")
+        try:
+            num_tensors, num_bytes, seconds = await service.update_weights(version=body.version, mode=body.mode)
+        except (RuntimeError, OSError) as error:
+            raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
+        return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)
+
+    openai.add_routes(app, service, prompter)
+    return app
+
+
+async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Awaits `work`; if the client hangs up first, cancels it (aborting its generations)."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    return None if work_task.cancelled() else work_task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _check_known(service: RolloutService, request_ids: list[str]) -> None:
+    unknown = service.known(request_ids)
+    if unknown:
+        raise HTTPException(404, f"unknown request ids (never issued, already collected or expired): {unknown[:5]}")
+
+
+def _add_guards(app: FastAPI, api_key: str | None) -> None:
+    """Bearer-token check on every route; user errors become 400, a full queue 503."""
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+
+    @app.exception_handler(ValueError)
+    async def bad_request(request: Request, error: ValueError) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=400)
+
+    @app.exception_handler(Busy)
+    async def busy(request: Request, error: Busy) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=503, headers={"Retry-After": "1"})
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer KEY`, else 401."""
+
+    def __init__(self, app: Any, *, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = JSONResponse({"detail": "missing or wrong API key; send Authorization: Bearer KEY"}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

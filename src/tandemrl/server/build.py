@@ -1,0 +1,52 @@
+"""Builds a rollout server from its config: the Generator backend, the tokenizer, the checks on
+prompts, the weight receiver, and the app. The one place the server's backend is chosen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
+from tandemrl.generation.loading import load_tokenizer, resolve_device
+from tandemrl.server.app import build_app
+from tandemrl.server.config import RolloutServerConfig
+from tandemrl.server.prompts import Prompter
+from tandemrl.server.service import RolloutService
+from tandemrl.weights import ipc
+from tandemrl.weights.distributed import WeightReceiver
+
+
+def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0) -> Any:
+    from transformers import AutoConfig
+
+    import torch
+
+    tokenizer = load_tokenizer(config.model)
+    text_config = AutoConfig.from_pretrained(config.model).get_text_config()
+    max_model_len = min(config.max_model_len, getattr(text_config, "max_position_embeddings", config.max_model_len))
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    match config.backend:
+        case "hf":
+            generator = build_generator(HFConfig(model=config.model, dtype=config.dtype, device=str(device)), tokenizer=tokenizer)
+        case "engine":
+            engine_config = EngineConfig(
+                model=config.model,
+                dtype=config.dtype,
+                device=str(device),
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_model_len=max_model_len,
+                tensor_parallel_size=config.tensor_parallel_size,
+            )
+            generator = build_generator(engine_config, tokenizer=tokenizer)
+    service = RolloutService(
+        generator,
+        model_name=config.served_model_name or config.model,
+        max_model_len=max_model_len,
+        max_pending_requests=config.max_pending_requests,
+        result_ttl_s=config.result_ttl_s,
+        receiver=WeightReceiver(device),
+        device_uuid=ipc.device_uuid(device),
+    )
+    prompter = Prompter(tokenizer, vocab_size=text_config.vocab_size, max_model_len=max_model_len)
+    return build_app(service, prompter, api_key=config.api_key, heartbeat_s=heartbeat_s)

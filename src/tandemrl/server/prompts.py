@@ -1,0 +1,56 @@
+"""Turns a request's prompt (token ids, text, or chat messages) into checked token ids.
+
+Invariant: what leaves here is a non-empty list of in-vocabulary ids that, with max_tokens, fits in
+max_model_len; anything else is a ValueError naming the problem (answered 400).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandemrl.types import SamplingParams
+
+
+class Prompter:
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def encode(self, *, prompt_ids: list[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if prompt_ids is not None:
+            return prompt_ids
+        if prompt is not None:
+            return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(self.chat_text(messages or []), add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict]) -> str:
+        flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # jinja raises its own types for messages the template rejects
+            raise ValueError(f"the chat template rejected the messages: {error}") from None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [i for i in (*prompt_ids, *params.stop_token_ids) if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) > max_model_len ({self.max_model_len}); "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _text_of(content: Any) -> str:
+    """OpenAI content: a string, None, or a list of parts of which the text ones are kept."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type", "text") == "text")

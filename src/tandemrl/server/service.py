@@ -1,0 +1,280 @@
+"""The rollout server's logic, apart from HTTP: admission, async requests by id, versioned weight
+updates, sleep/wake, readiness and metrics, over any Generator.
+
+Invariants: no request reaches the generator while a drain-mode update or sleep holds the gate; a
+weight update is received whole into staging before one `update_weights` call makes it live; a failed
+sync keeps the previous version and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandemrl.generation.base import Generator
+from tandemrl.server.wire import Result
+from tandemrl.types import Completion, SamplingParams
+from tandemrl.weights.distributed import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """Too many requests pending: answered 503, the client retries later."""
+
+
+class Gate:
+    """Admission to the generator. Closed by each holder of `close()`; open when none holds it."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_queued = 0
+        self._closers = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        self.num_queued += 1
+        try:
+            while not self._open.is_set():  # re-checked: a closer may have come between set() and wake-up
+                await self._open.wait()
+        finally:
+            self.num_queued -= 1
+        self.num_running += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_running -= 1
+            if self.num_running == 0:
+                self._idle.set()
+
+    async def close(self) -> None:
+        """Stops admitting and waits until nothing runs."""
+        self._closers += 1
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self) -> None:
+        self._closers -= 1
+        if self._closers == 0:
+            self._open.set()
+
+
+@dataclass
+class _Entry:
+    task: asyncio.Task
+    finished_at: float = 0.0
+
+
+@dataclass
+class Counters:
+    requests: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    weight_syncs: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
+    last_sync_s: float = 0.0
+
+
+class RolloutService:
+    def __init__(self, generator: Generator, *, model_name: str, max_model_len: int, max_pending_requests: int, result_ttl_s: float, receiver: WeightReceiver | None, device_uuid: str | None):
+        self.generator = generator
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_pending_requests = max_pending_requests
+        self.result_ttl_s = result_ttl_s
+        self.receiver = receiver
+        self.device_uuid = device_uuid
+        self.gate = Gate()
+        self.counters = Counters()
+        self.update_in_progress = False
+        self.asleep = False
+        self._entries: dict[str, _Entry] = {}
+        self._update_lock = asyncio.Lock()
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """One completion through the gate. Cancelling it aborts the generation (the engine frees it)."""
+        if self.gate.num_queued + self.gate.num_running >= self.max_pending_requests:
+            raise Busy(f"{self.max_pending_requests} requests pending; retry later")
+        try:
+            async with self.gate.admit():
+                completion = await self.generator.generate(prompt_ids, params)
+        except asyncio.CancelledError:
+            self.counters.requests["abort"] += 1
+            raise
+        except Exception:
+            self.counters.requests["error"] += 1
+            raise
+        self.counters.requests[completion.finish_reason] += 1
+        self.counters.prompt_tokens += len(prompt_ids)
+        self.counters.generated_tokens += len(completion.token_ids)
+        return completion
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[str]:
+        """Starts `n` samples; returns their request ids at once."""
+        self._forget_expired()
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        for request_id in ids:
+            task = asyncio.create_task(self.generate(prompt_ids, params))
+            entry = self._entries[request_id] = _Entry(task)
+            task.add_done_callback(lambda _, e=entry: setattr(e, "finished_at", time.monotonic()))
+        return ids
+
+    def known(self, request_ids: list[str]) -> list[str]:
+        """The ids among `request_ids` this server does not know (never issued, collected or expired)."""
+        return [i for i in request_ids if i not in self._entries]
+
+    async def collect(self, request_ids: list[str], timeout_s: float) -> tuple[list[Result], list[str]]:
+        """Waits up to `timeout_s` for all; returns (finished results, now forgotten; pending ids)."""
+        tasks = [self._entries[i].task for i in request_ids]
+        if timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        results, pending = [], []
+        for request_id, task in zip(request_ids, tasks):
+            if task.done():
+                results.append(self.result(request_id, task))
+                self._entries.pop(request_id, None)
+            else:
+                pending.append(request_id)
+        return results, pending
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._entries[request_id].task.cancel()
+
+    def result(self, request_id: str, task: asyncio.Task) -> Result:
+        if task.cancelled():
+            return Result(request_id=request_id, finish_reason="abort")
+        if task.exception() is not None:
+            return Result(request_id=request_id, finish_reason="error", error=str(task.exception()) or repr(task.exception()))
+        c: Completion = task.result()
+        return Result(request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions, finish_reason=c.finish_reason)
+
+    def _forget_expired(self) -> None:
+        horizon = time.monotonic() - self.result_ttl_s
+        expired = [i for i, e in self._entries.items() if e.task.done() and e.finished_at < horizon]
+        for request_id in expired:
+            del self._entries[request_id]
+
+    # --- weights, sleep ---------------------------------------------------------------------
+
+    async def join_weight_group(self, spec: dict[str, Any]) -> None:
+        if self.receiver is None:
+            raise ValueError("this server has no weight receiver")
+        async with self._update_lock:
+            await asyncio.to_thread(self.receiver.join, spec)
+        log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
+
+    async def update_weights(self, *, version: int, mode: str) -> tuple[int, int, float]:
+        """Receives a whole update, then makes `version` live. Returns (tensors, bytes, seconds).
+
+        On a failed transfer the staging is dropped, the previous version stays live, and the error is raised.
+        """
+        assert self.receiver is not None
+        async with self._update_lock:
+            self.update_in_progress = True
+            start = time.perf_counter()
+            try:
+                try:
+                    staging = await asyncio.to_thread(self.receiver.receive)
+                except Exception as error:
+                    self.counters.weight_syncs["failed"] += 1
+                    log.error("weight sync to version %d failed (%s); keeping version %d and serving", version, error, self.generator.version)
+                    raise
+                await self._apply(staging, version=version, mode=mode)
+            finally:
+                self.update_in_progress = False
+            seconds = time.perf_counter() - start
+            self.counters.weight_syncs["ok"] += 1
+            self.counters.last_sync_s = seconds
+            num_bytes = sum(t.numel() * t.element_size() for _, t in staging)
+            log.info("policy version %d live (%d tensors, %.1f MB, %.2f s, %s)", version, len(staging), num_bytes / 2**20, seconds, mode)
+            return len(staging), num_bytes, seconds
+
+    async def _apply(self, staging: list, *, version: int, mode: str) -> None:
+        if mode == "pause":  # the generator freezes its running requests between decode steps
+            await self.generator.update_weights(staging, version=version)
+            return
+        await self.gate.close()
+        try:
+            await self.generator.update_weights(staging, version=version)
+        finally:
+            self.gate.reopen()
+
+    async def sleep(self, level: int) -> None:
+        async with self._update_lock:
+            if self.asleep:
+                return
+            await self.gate.close()
+            self.asleep = True
+            await self.generator.sleep(level)
+
+    async def wake(self) -> None:
+        async with self._update_lock:
+            if not self.asleep:
+                return
+            await self.generator.wake()
+            self.asleep = False
+            self.gate.reopen()
+
+    # --- observability ----------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, Any]:
+        return dict(
+            ready=True,
+            model=self.model_name,
+            policy_version=self.generator.version,
+            num_running=self.gate.num_running,
+            num_queued=self.gate.num_queued,
+            update_in_progress=self.update_in_progress,
+            asleep=self.asleep,
+            max_model_len=self.max_model_len,
+            device_uuid=self.device_uuid,
+            weight_group=self.receiver.group_id if self.receiver else None,
+        )
+
+    async def heartbeat(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            c = self.counters
+            log.info(
+                "heartbeat: version %d, running %d, queued %d, done %d, generated %d tokens%s",
+                self.generator.version, self.gate.num_running, self.gate.num_queued, sum(c.requests.values()),
+                c.generated_tokens, ", updating weights" if self.update_in_progress else "",
+            )
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition (version 0.0.4)."""
+        c = self.counters
+        lines = [
+            *(f'tandem_requests_total{{finish_reason="{k}"}} {v}' for k, v in c.requests.items()),
+            f"tandem_prompt_tokens_total {c.prompt_tokens}",
+            f"tandem_generated_tokens_total {c.generated_tokens}",
+            f"tandem_requests_running {self.gate.num_running}",
+            f"tandem_requests_queued {self.gate.num_queued}",
+            f"tandem_async_results_held {len(self._entries)}",
+            f"tandem_policy_version {self.generator.version}",
+            f"tandem_update_in_progress {int(self.update_in_progress)}",
+            f"tandem_asleep {int(self.asleep)}",
+            *(f'tandem_weight_syncs_total{{result="{k}"}} {v}' for k, v in c.weight_syncs.items()),
+            f"tandem_weight_sync_last_seconds {c.last_sync_s}",
+            f"process_resident_memory_bytes {_rss_bytes()}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

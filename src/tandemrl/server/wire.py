@@ -1,0 +1,158 @@
+"""The rollout server's wire format: pydantic models of requests and results, with their ranges in
+the OpenAPI schema. Invariant: a request that passes these models and `to_sampling_params` is legal
+for every Generator; anything else is a 4xx naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandemrl.types import SamplingParams
+
+# Below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line).
+GREEDY_EPS = 1e-5
+MAX_SEED = 2**63 - 1
+
+
+class Sampling(BaseModel):
+    """The engine's sampling parameters (SamplingParams), with their legal ranges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(256, ge=1, description="Most tokens to sample.")
+    temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 = off; 0 is invalid.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+def to_sampling_params(s: Any, **overrides: Any) -> SamplingParams:
+    """SamplingParams from a Sampling-shaped model; raises ValueError (-> 400) on illegal values."""
+    fields = dict(
+        max_tokens=s.max_tokens,
+        temperature=0.0 if s.temperature < GREEDY_EPS else s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        stop_token_ids=tuple(s.stop_token_ids),
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+        seed=s.seed,
+    )
+    fields.update(overrides)
+    return SamplingParams(**fields)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(max_length=64)
+    content: str | list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Sampling):
+    """One prompt (token ids, text, or chat messages), `n` samples. `is_async`: answer ids at once."""
+
+    prompt_ids: list[int] | None = Field(None, description="Prompt token ids (used as is).")
+    prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages (the chat template is applied).")
+    n: int = Field(1, ge=1, le=256, description="Samples of this prompt; one request id each.")
+    is_async: bool = Field(False, description="True: answer request ids at once; collect the results later.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [k for k in ("prompt_ids", "prompt", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt_ids, prompt or messages (got {given or 'none'})")
+        return self
+
+
+class Result(BaseModel):
+    """One sample's outcome. `finish_reason` is abort when aborted; `error` set when it failed."""
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    policy_versions: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort", "error"] = "abort"
+    text: str = ""
+    error: str | None = None
+
+
+class GenerateResponse(BaseModel):
+    request_ids: list[str]
+    results: list[Result] | None = Field(None, description="Set when is_async is false.")
+
+
+class CollectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: list[str] = Field(min_length=1, max_length=4096)
+    timeout_s: float = Field(30.0, ge=0, le=600, description="Long-poll: wait up to this long for all of them.")
+
+
+class CollectResponse(BaseModel):
+    results: list[Result] = Field(description="Finished requests (removed from the server once collected).")
+    pending: list[str] = Field(description="Requests still running.")
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: list[str] = Field(min_length=1, max_length=4096)
+
+
+class SleepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: int = Field(1, ge=1, le=2, description="1 frees the KV cache, 2 also the weights.")
+
+
+class Readiness(BaseModel):
+    ready: bool
+    model: str
+    policy_version: int
+    num_running: int
+    num_queued: int
+    update_in_progress: bool
+    asleep: bool
+    max_model_len: int
+    device_uuid: str | None = Field(None, description="GPU identity, for CUDA IPC weight sync on a shared GPU.")
+    weight_group: str | None = Field(None, description="Id of the weight-sync group this server is in.")
+
+
+class WeightGroupRequest(BaseModel):
+    """Join the trainer's weight-sync group (sent by the trainer's client)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_addr: str = Field(max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    transport: Literal["gloo", "nccl", "ipc"]
+    group_id: str = Field(max_length=64)
+    timeout_s: float = Field(gt=0, le=3600)
+
+
+class WeightUpdateRequest(BaseModel):
+    """Receive one full set of weights over the group, then make `version` live."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    mode: Literal["drain", "pause"] = "drain"
+    group_id: str = Field(max_length=64)
+
+
+class WeightUpdateResponse(BaseModel):
+    policy_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float

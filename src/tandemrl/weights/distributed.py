@@ -1,0 +1,251 @@
+"""Server placement weight sync: trainer rank 0 broadcasts named tensors to the rollout servers over a
+torch.distributed group (gloo on CPU, NCCL across GPUs, CUDA IPC handles over a gloo group when both
+sit on one GPU), in flattened buckets of --weight_sync_bucket_mb, by Hugging Face parameter name.
+
+Invariants: every collective has a deadline (--weight_sync_timeout_s), so a dead peer is an error,
+never a hang; a receiver returns every tensor of an update or raises, never a part. Groups are built
+from a TCPStore directly (no default process group), so they coexist with the trainer's FSDP group and
+an engine's tensor-parallel group, and can be re-formed when a server restarts.
+
+Wire of one bucket, broadcast from rank 0: header int64[2] = (meta bytes, payload bytes), (0, 0) ends
+the update; meta = UTF-8 JSON {"tensors": [{name, dtype, shape, offset}], "ipc": handle?}; payload =
+uint8[payload bytes] (absent for ipc: the server maps the trainer's bucket, then all ranks barrier).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.weights import ipc
+from tandemrl.weights.base import DistributedSyncConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from tandemrl.generation.remote import RemoteGenerator
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: every tensor starts aligned in its bucket, so `view(dtype)` is legal for any dtype
+Named = list[tuple[str, "Tensor"]]
+
+
+def pack_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int, device: torch.device | None = None) -> Iterator[tuple[list[dict], Tensor]]:
+    """Flattens named tensors into uint8 buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+
+    Example: [("a", float32[2]), ("b", float32[1])], 1 MB -> one bucket:
+      [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0}, {..., "name": "b", "offset": 64}], uint8[68]
+    """
+    items: Named = []
+    end = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        start = end + (-end % ALIGN)
+        if items and start + nbytes > bucket_bytes:
+            yield _flatten(items, device)
+            items, start = [], 0
+        items.append((name, tensor.detach()))
+        end = start + nbytes
+    if items:
+        yield _flatten(items, device)
+
+
+def _flatten(items: Named, device: torch.device | None) -> tuple[list[dict], Tensor]:
+    meta, offset = [], 0
+    for name, tensor in items:
+        offset += -offset % ALIGN
+        meta.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset})
+        offset += tensor.numel() * tensor.element_size()
+    flat = torch.empty(offset, dtype=torch.uint8, device=device or items[0][1].device)  # [bytes]
+    for m, (_, tensor) in zip(meta, items):
+        data = tensor.contiguous().reshape(-1).view(torch.uint8)
+        flat[m["offset"] : m["offset"] + data.numel()].copy_(data)
+    return meta, flat
+
+
+def unpack_bucket(meta: list[dict], flat: Tensor) -> Named:
+    """The named tensors of one bucket, as views into `flat` (the inverse of `_flatten`)."""
+    out = []
+    for m in meta:
+        dtype = getattr(torch, m["dtype"])
+        assert isinstance(dtype, torch.dtype), m["dtype"]
+        nbytes = math.prod(m["shape"]) * dtype.itemsize
+        out.append((m["name"], flat[m["offset"] : m["offset"] + nbytes].view(dtype).view(m["shape"])))
+    return out
+
+
+class _Group:
+    """One process group whose every collective waits at most `timeout_s`."""
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, transport: str, timeout_s: float, device: torch.device):
+        self.transport = transport
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = device if transport == "nccl" else torch.device("cpu")  # where wire tensors live
+        if transport == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+
+    def broadcast(self, tensor: Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([tensor], options).wait(self.timeout)
+
+    def barrier(self) -> None:
+        self.pg.barrier(dist.BarrierOptions()).wait(self.timeout)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+
+    def recv_bytes(self, num_bytes: int) -> bytes:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        self.broadcast(buffer)
+        return buffer.cpu().numpy().tobytes()
+
+
+class WeightSender:
+    """Trainer rank 0's side: owns the rendezvous store (for its whole life) and the current group."""
+
+    def __init__(self, config: DistributedSyncConfig):
+        self.config = config
+        self.group_id: str | None = None
+        self._store: dist.TCPStore | None = None
+        self._group: _Group | None = None
+        self._world_size = 0
+        self._transport = ""
+
+    def plan(self, *, num_servers: int, transport: str, master_addr: str) -> list[dict[str, Any]]:
+        """Starts a new group; returns what each server must be told to join it (ranks 1..N)."""
+        if self._store is None:
+            timeout = timedelta(seconds=self.config.weight_sync_timeout_s)
+            self._store = dist.TCPStore(master_addr, self.config.weight_sync_port, None, True, timeout, wait_for_workers=False)
+        self.close_group()
+        self.group_id, self._world_size, self._transport = uuid.uuid4().hex[:12], num_servers + 1, transport
+        return [
+            dict(
+                master_addr=master_addr,
+                master_port=self._store.port,
+                rank=rank,
+                world_size=self._world_size,
+                transport=transport,
+                group_id=self.group_id,
+                timeout_s=self.config.weight_sync_timeout_s,
+            )
+            for rank in range(1, num_servers + 1)
+        ]
+
+    def connect(self, device: torch.device) -> None:
+        """Blocks until every server joined the planned group (or the deadline passed)."""
+        assert self._store is not None and self.group_id is not None
+        store = dist.PrefixStore(f"tandem/{self.group_id}", self._store)
+        self._group = _Group(
+            store, rank=0, world_size=self._world_size, transport=self._transport, timeout_s=self.config.weight_sync_timeout_s, device=device
+        )
+
+    def send(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[int, int]:
+        """Broadcasts every tensor, bucket by bucket, then the end mark. Returns (tensors, bytes)."""
+        group = self._group
+        assert group is not None, "send() before connect()"
+        bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
+        wire_device = None if group.transport == "ipc" else group.device
+        num_tensors = num_bytes = 0
+        for meta, flat in pack_buckets(weights, bucket_bytes, wire_device):
+            header: dict[str, Any] = {"tensors": meta}
+            if group.transport == "ipc":
+                torch.cuda.current_stream(flat.device).synchronize()
+                header["ipc"] = ipc.share(flat)
+            data = json.dumps(header).encode()
+            payload = 0 if group.transport == "ipc" else flat.numel()
+            group.broadcast(torch.tensor([len(data), payload], dtype=torch.int64, device=group.device))
+            group.send_bytes(data)
+            if group.transport == "ipc":
+                group.barrier()  # every server copied the bucket: its memory may be reused
+            else:
+                group.broadcast(flat)
+            num_tensors, num_bytes = num_tensors + len(meta), num_bytes + flat.numel()
+        group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+        return num_tensors, num_bytes
+
+    def close_group(self) -> None:
+        self._group = None
+        self.group_id = None
+
+    def close(self) -> None:
+        self.close_group()
+        self._store = None
+
+
+class WeightReceiver:
+    """A rollout server's side: joins the trainer's group and receives whole updates into staging."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.group_id: str | None = None
+        self._group: _Group | None = None
+
+    def join(self, spec: dict[str, Any]) -> None:
+        """Blocks until the trainer and every other server joined (or the deadline passed)."""
+        self.close()
+        timeout = timedelta(seconds=spec["timeout_s"])
+        client = dist.TCPStore(spec["master_addr"], spec["master_port"], None, False, timeout)
+        store = dist.PrefixStore(f"tandem/{spec['group_id']}", client)
+        self._group = _Group(
+            store, rank=spec["rank"], world_size=spec["world_size"], transport=spec["transport"], timeout_s=spec["timeout_s"], device=self.device
+        )
+        self.group_id = spec["group_id"]
+
+    def receive(self) -> Named:
+        """Every tensor of one update, staged apart from the live weights. On any failure the group is
+        dropped (a broken collective cannot be resumed) and the error raised; nothing partial escapes."""
+        group = self._group
+        assert group is not None, "receive() outside a group"
+        staging: Named = []
+        try:
+            while True:
+                header = torch.zeros(2, dtype=torch.int64, device=group.device)
+                group.broadcast(header)
+                meta_len, payload_len = header.tolist()
+                if meta_len == 0:
+                    return staging
+                meta = json.loads(group.recv_bytes(meta_len))
+                if group.transport == "ipc":
+                    flat = ipc.open_shared(meta["ipc"], self.device).clone()
+                    torch.cuda.current_stream(self.device).synchronize()
+                    group.barrier()
+                else:
+                    flat = torch.empty(payload_len, dtype=torch.uint8, device=group.device)
+                    group.broadcast(flat)
+                staging += unpack_bucket(meta["tensors"], flat)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._group = None
+        self.group_id = None
+
+
+class DistributedSync:
+    """WeightSync for server placement: publishes through the trainer's RemoteGenerator's client."""
+
+    def __init__(self, config: DistributedSyncConfig, generator: RemoteGenerator):
+        self.config = config
+        self.generator = generator
+
+    async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
+        await self.generator.client.update_weights_async(weights, version=version, sync=self.config)
+        self.generator.version = version
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,82 @@
+"""The native API of a real `tandem rollout` process: async submit + collect, blocking generate,
+abort by id, bad input as 4xx that disturbs nobody, readiness, metrics, sleep/wake."""
+
+from __future__ import annotations
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+
+
+def test_async_submit_returns_ids_at_once_and_collect_returns_results(server):
+    answer = server.post("/generate", {"prompt": "hello", "n": 3, "is_async": True, **GREEDY})
+    assert answer.status_code == 200 and answer.json()["results"] is None
+    ids = answer.json()["request_ids"]
+    assert len(set(ids)) == 3
+    collected = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()
+    assert collected["pending"] == [] and sorted(r["request_id"] for r in collected["results"]) == sorted(ids)
+    for r in collected["results"]:
+        assert len(r["token_ids"]) == len(r["logprobs"]) == len(r["policy_versions"]) == 6
+        assert r["finish_reason"] == "length" and r["policy_versions"] == [0] * 6
+    again = server.post("/collect", {"request_ids": ids[:1], "timeout_s": 0})
+    assert again.status_code == 404 and "unknown request ids" in again.json()["detail"]
+
+
+def test_blocking_generate_accepts_ids_text_and_messages(server, tiny_tokenizer):
+    by_text = server.post("/generate", {"prompt": "abc def", **GREEDY}).json()["results"][0]
+    ids = tiny_tokenizer.encode("abc def")
+    by_ids = server.post("/generate", {"prompt_ids": ids, **GREEDY}).json()["results"][0]
+    assert by_text["token_ids"] == by_ids["token_ids"] and by_text["text"] == tiny_tokenizer.decode(by_ids["token_ids"], skip_special_tokens=True)
+    chat = server.post("/generate", {"messages": [{"role": "user", "content": "hi"}], **GREEDY})
+    assert chat.status_code == 200 and len(chat.json()["results"][0]["token_ids"]) == 6
+
+
+def test_abort_by_id_finishes_the_request_with_abort(server):
+    ids = server.post("/generate", {"prompt": "x", "n": 4, "is_async": True, "max_tokens": 120, "ignore_eos": True}).json()["request_ids"]
+    assert server.post("/abort", {"request_ids": ids}).status_code == 200
+    results = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()["results"]
+    assert {r["finish_reason"] for r in results} <= {"abort", "length"} and "abort" in {r["finish_reason"] for r in results}
+    assert server.post("/abort", {"request_ids": ["nope"]}).status_code == 404
+
+
+def test_bad_requests_are_4xx_with_a_message_and_disturb_no_other_request(server):
+    good = server.post("/generate", {"prompt": "steady", "is_async": True, **GREEDY}).json()["request_ids"]
+    bad = [
+        ({"prompt_ids": [1, 10**6]}, 400, "outside the vocabulary"),
+        ({"prompt_ids": [-1]}, 400, "outside the vocabulary"),
+        ({"prompt": "hi", "max_tokens": 500}, 400, "max_model_len"),
+        ({"prompt": "hi", "n": 0}, 422, "n"),
+        ({"prompt": "hi", "temperature": -1}, 422, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 422, "top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, 422, "top_p"),
+        ({"prompt": "hi", "top_k": 0}, 400, "top_k"),
+        ({"prompt": "hi", "prompt_ids": [1]}, 422, "exactly one"),
+        ({"prompt": ""}, 400, "empty"),
+        ({"prompt": "hi", "bogus": 1}, 422, "bogus"),
+    ]
+    for body, status, word in bad:
+        answer = server.post("/generate", body)
+        assert answer.status_code == status, (body, answer.text)
+        assert word in answer.text, (body, answer.text)
+    assert server.post("/generate", []).status_code == 422
+    assert server.post("/collect", {"request_ids": ["unknown"], "timeout_s": 0}).status_code == 404
+    results = server.post("/collect", {"request_ids": good, "timeout_s": 60}).json()["results"]
+    assert results[0]["finish_reason"] == "length" and len(results[0]["token_ids"]) == 6
+    assert server.get("/health").json() == {"status": "ok"}
+
+
+def test_readiness_and_prometheus_metrics_report_version_and_queue(server):
+    ready = server.get("/ready").json()
+    assert ready["ready"] and ready["policy_version"] == 0 and ready["num_running"] == 0 and ready["update_in_progress"] is False
+    server.post("/generate", {"prompt": "m", **GREEDY})
+    text = server.get("/metrics").text
+    assert 'tandem_requests_total{finish_reason="length"}' in text and "tandem_policy_version 0" in text
+    assert int(next(line.split()[1] for line in text.splitlines() if line.startswith("tandem_generated_tokens_total"))) >= 6
+
+
+def test_sleep_holds_requests_until_wake(server):
+    assert server.post("/sleep", {"level": 1}).json() == {"asleep": True}
+    ids = server.post("/generate", {"prompt": "zz", "is_async": True, **GREEDY}).json()["request_ids"]
+    held = server.post("/collect", {"request_ids": ids, "timeout_s": 1}).json()
+    assert held["pending"] == ids and server.get("/ready").json()["asleep"]
+    assert server.post("/wake", {}).json() == {"asleep": False}
+    done = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()
+    assert done["pending"] == [] and len(done["results"][0]["token_ids"]) == 6

@@ -1,0 +1,55 @@
+"""Contract of every in-process WeightSync backend: after publish(v), the generator serves the new
+weights at version v, and never a mix (the distributed backend has its own real-process suite in
+tests/integration/)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tandemrl.generation.base import HFConfig, build_generator
+from tandemrl.tasks.tiny import build_model, build_tokenizer
+from tandemrl.types import SamplingParams
+from tandemrl.weights.base import LocalSyncConfig, build_weight_sync
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def backends():
+    yield "hf", HFConfig(device="cpu")
+    try:
+        from tandemrl.generation.base import EngineConfig
+        import tandemrl.generation.engine  # noqa: F401
+
+        yield "engine", EngineConfig(device="cpu", kv_cache_tokens=4096, max_model_len=256)
+    except ImportError:
+        pass
+
+
+@pytest.mark.parametrize("name, config", list(backends()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("move_model_batches", [1, 3])
+def test_publish_makes_new_weights_live_at_the_new_version(name, config, move_model_batches):
+    tokenizer = build_tokenizer()
+    served = build_model(tokenizer, seed=0)
+    trained = build_model(tokenizer, seed=1)  # stands for the trainer's weights after a step
+    generator = build_generator(config, model=served, tokenizer=tokenizer)
+    sync = build_weight_sync(LocalSyncConfig(move_model_batches=move_model_batches), generator)
+    prompt = tokenizer.encode("digits:")
+
+    async def scenario():
+        before = await generator.generate(prompt, GREEDY)
+        await sync.publish(trained.named_parameters(), version=7)
+        after = await generator.generate(prompt, GREEDY)
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    expected = trained.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    with torch.no_grad():
+        logits = trained(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1 : -1]
+    expected_logprobs = logits.log_softmax(-1).gather(-1, torch.tensor(expected)[:, None])[:, 0]
+    assert after.token_ids == expected
+    torch.testing.assert_close(torch.tensor(after.logprobs), expected_logprobs, atol=1e-4, rtol=0)
+    assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 1e-3
+    assert generator.version == 7 and set(after.policy_versions) == {7} and set(before.policy_versions) == {0}

@@ -184,7 +184,10 @@ class RolloutClient:
 
     async def _readiness(self) -> list[dict[str, Any]]:
         async def one(url: str) -> dict[str, Any]:
-            return _json_or_raise(url, await self._http.get(url + "/ready", timeout=10.0))
+            try:
+                return _json_or_raise(url, await self._http.get(url + "/ready", timeout=10.0))
+            except httpx.TransportError as error:
+                raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
 
@@ -203,25 +206,30 @@ class RolloutClient:
         sync = sync or (self._sender.config if self._sender else DistributedSyncConfig())
         if self._sender is None or self._sender.config != sync:
             self._sender = WeightSender(sync)
-        await self._ensure_ready()
         stream = iter(weights)
         first = next(stream, None)
         if first is None:
             raise ValueError("update_weights got no tensors")
-        stream = itertools.chain([first], stream)
-        infos = await self._readiness()
-        if self._sender.group_id is None or any(i["weight_group"] != self._sender.group_id for i in infos):
-            await self._form_group(first[1], infos, sync)
-        group_id, timeout_s = self._sender.group_id, sync.weight_sync_timeout_s + self.config.request_timeout_s
-        body = {"version": version, "mode": sync.update_mode, "group_id": group_id}
-        updates = asyncio.ensure_future(self._post_all("/weights/update", body, timeout_s))
         try:
-            await asyncio.to_thread(self._sender.send, stream)
-            await updates
+            await self._ensure_ready()
+            infos = await self._readiness()
+            if self._sender.group_id is None or any(i["weight_group"] != self._sender.group_id for i in infos):
+                await self._form_group(first[1], infos, sync)
+            await self._push(itertools.chain([first], stream), version, sync)
         except Exception as error:
-            updates.cancel()
             self._sender.close_group()
             raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
+
+    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig) -> None:
+        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
+        assert self._sender is not None
+        body = {"version": version, "mode": sync.update_mode, "group_id": self._sender.group_id}
+        updates = asyncio.ensure_future(self._post_all("/weights/update", body, sync.weight_sync_timeout_s + self.config.request_timeout_s))
+        try:
+            await asyncio.to_thread(self._sender.send, weights)
+            await updates
+        finally:
+            updates.cancel()
 
     async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]], sync: DistributedSyncConfig) -> None:
         """(Re)forms the group with every server: after start, a failure, or a server restart."""
@@ -244,8 +252,7 @@ class RolloutClient:
             await joins
         except Exception as error:
             joins.cancel()
-            self._sender.close_group()
-            raise ConnectionError(f"could not form the weight-sync group ({transport}, {master_addr}): {error}") from error
+            raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
         log.info("weight-sync group %s formed with %d server(s) over %s", self._sender.group_id, len(self.urls), transport)
 
 

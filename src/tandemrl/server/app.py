@@ -167,11 +167,16 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
 
     @app.exception_handler(ValueError)
     async def bad_request(request: Request, error: ValueError) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=400)
+        return JSONResponse(_error_body(str(error), "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
+
+
+def _error_body(message: str, kind: str) -> dict[str, Any]:
+    """FastAPI's `detail`, and OpenAI's `error` so that OpenAI clients show the message."""
+    return {"detail": message, "error": {"message": message, "type": kind, "code": None}}
 
 
 class BearerAuth:

@@ -1,0 +1,46 @@
+"""The OpenAI routes of a real server, through the official `openai` client: completions and chat,
+plain and streaming, with tandem's token ids and policy versions on each choice."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(oai, tiny_model_dir):
+    assert [m.id for m in oai.models.list().data] == [tiny_model_dir]
+
+
+def test_completions_plain_and_streaming_agree_under_greedy(oai, tiny_model_dir):
+    args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = oai.completions.create(**args, logprobs=1)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "length" and len(choice.logprobs.token_logprobs) == 6
+    assert plain.usage.completion_tokens == 6 and choice.model_extra["policy_versions"] == [0] * 6
+    streamed = "".join(chunk.choices[0].text for chunk in oai.completions.create(**args, stream=True))
+    assert streamed == choice.text
+
+
+def test_chat_plain_and_streaming_with_n(oai, tiny_model_dir):
+    args = dict(model=tiny_model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, n=2)
+    plain = oai.chat.completions.create(**args, logprobs=True, extra_body={"ignore_eos": True})
+    assert [c.index for c in plain.choices] == [0, 1] and plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].message.content == plain.choices[1].message.content  # greedy
+    assert len(plain.choices[0].logprobs.content) == 5
+    texts = {0: "", 1: ""}
+    for chunk in oai.chat.completions.create(**args, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: plain.choices[0].message.content, 1: plain.choices[1].message.content}
+
+
+def test_bad_openai_request_is_a_4xx(oai, tiny_model_dir):
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=100000)
+    with pytest.raises(openai.UnprocessableEntityError):
+        oai.chat.completions.create(model=tiny_model_dir, messages=[], max_tokens=2)

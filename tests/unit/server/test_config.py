@@ -1,0 +1,24 @@
+import pytest
+
+from tandemrl.server.config import RolloutServerConfig, is_loopback
+
+
+def test_loopback_hosts_need_no_key():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+    RolloutServerConfig(host="127.0.0.1")
+
+
+def test_non_loopback_needs_a_key_or_insecure(monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="refusing to bind 0.0.0.0"):
+        RolloutServerConfig(host="0.0.0.0")
+    RolloutServerConfig(host="0.0.0.0", insecure=True)
+    RolloutServerConfig(host="0.0.0.0", api_key="k")
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert RolloutServerConfig(host="0.0.0.0").api_key == "from-env"
+
+
+def test_hf_backend_refuses_tensor_parallel():
+    with pytest.raises(ValueError, match="--backend engine"):
+        RolloutServerConfig(backend="hf", tensor_parallel_size=2)

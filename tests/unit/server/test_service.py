@@ -1,0 +1,139 @@
+"""The server's admission and update rules, with a scripted generator and an ordered event log:
+drain finishes running requests before the update and holds new ones until after; pause updates while
+they run; a failed transfer keeps the version and hands nothing to the generator."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tandemrl.server.service import Busy, RolloutService
+from tandemrl.types import Completion, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=1)
+
+
+class ScriptedGenerator:
+    def __init__(self, log: list[str]):
+        self.version, self.log = 0, log
+        self.release: dict[str, asyncio.Event] = {}
+
+    async def generate(self, prompt_ids, params):
+        name = f"r{prompt_ids[0]}"
+        self.release[name] = asyncio.Event()
+        self.log.append(f"start {name}")
+        await self.release[name].wait()
+        self.log.append(f"end {name}")
+        return Completion(token_ids=[1], logprobs=[0.0], finish_reason="length", policy_versions=[self.version])
+
+    async def update_weights(self, weights, *, version):
+        self.log.append(f"update {[n for n, _ in weights]} -> {version}")
+        self.version = version
+
+    async def sleep(self, level): ...
+    async def wake(self): ...
+    async def close(self): ...
+
+
+class FakeReceiver:
+    group_id = "g"
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def receive(self):
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+        return [("w", torch.ones(2))]
+
+
+def make(log, receiver=None, max_pending=100):
+    gen = ScriptedGenerator(log)
+    service = RolloutService(gen, model_name="m", max_model_len=8, max_pending_requests=max_pending, result_ttl_s=60, receiver=receiver or FakeReceiver(), device_uuid=None)
+    return gen, service
+
+
+async def until(cond):
+    while not cond():
+        await asyncio.sleep(0)
+
+
+def test_drain_waits_for_running_requests_and_holds_new_ones_until_after_the_update():
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log)
+        a = asyncio.create_task(service.generate([1], PARAMS))
+        await until(lambda: "start r1" in log)
+        update = asyncio.create_task(service.update_weights(version=1, mode="drain"))
+        await until(lambda: service.gate._closers == 1)
+        b = asyncio.create_task(service.generate([2], PARAMS))
+        await asyncio.sleep(0.01)
+        assert service.gate.num_queued == 1 and "start r2" not in log
+        gen.release["r1"].set()
+        await update
+        await until(lambda: "start r2" in log)
+        gen.release["r2"].set()
+        assert (await a).policy_versions == [0] and (await b).policy_versions == [1]
+        return log
+
+    assert asyncio.run(scenario()) == ["start r1", "end r1", "update ['w'] -> 1", "start r2", "end r2"]
+
+
+def test_pause_updates_while_requests_run():
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log)
+        a = asyncio.create_task(service.generate([1], PARAMS))
+        await until(lambda: "start r1" in log)
+        await service.update_weights(version=1, mode="pause")
+        gen.release["r1"].set()
+        await a
+        return log
+
+    assert asyncio.run(scenario()) == ["start r1", "update ['w'] -> 1", "end r1"]
+
+
+def test_failed_transfer_keeps_the_version_and_hands_nothing_over():
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log, FakeReceiver(fail=True))
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            await service.update_weights(version=1, mode="drain")
+        assert gen.version == 0 and not service.update_in_progress and service.counters.weight_syncs["failed"] == 1
+        a = asyncio.create_task(service.generate([3], PARAMS))
+        await until(lambda: "start r3" in log)
+        gen.release["r3"].set()
+        assert (await a).policy_versions == [0]
+        return log
+
+    assert asyncio.run(scenario()) == ["start r3", "end r3"]
+
+
+def test_full_queue_is_busy_not_unbounded():
+    async def scenario():
+        gen, service = make([], max_pending=2)
+        tasks = [asyncio.create_task(service.generate([i], PARAMS)) for i in (1, 2)]
+        await until(lambda: len(gen.release) == 2)
+        with pytest.raises(Busy):
+            await service.generate([3], PARAMS)
+        for event in gen.release.values():
+            event.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_async_results_are_collected_once_and_aborts_finish_with_abort():
+    async def scenario():
+        gen, service = make([])
+        done_id, abort_id = service.submit([1], PARAMS, 1) + service.submit([2], PARAMS, 1)
+        await until(lambda: len(gen.release) == 2)
+        gen.release["r1"].set()
+        service.abort([abort_id])
+        results, pending = await service.collect([done_id, abort_id], timeout_s=5)
+        assert pending == [] and [r.finish_reason for r in results] == ["length", "abort"]
+        assert service.known([done_id, abort_id]) == [done_id, abort_id]  # collected: forgotten
+
+    asyncio.run(scenario())

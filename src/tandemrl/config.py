@@ -52,8 +52,8 @@ class DataConfig:
 class RolloutConfig:
     """How completions are produced: backend, placement and sampling."""
 
-    generator: str = "hf"
-    """Backend in colocate mode: engine (ours) or hf (transformers generate)."""
+    generator: str = "engine"
+    """Backend in colocate mode: engine (ours; other architectures fall back to hf) or hf (transformers generate)."""
     rollout_mode: str = "colocate"
     """colocate (engine in the trainer's process) or server (tandem rollout servers)."""
     rollout_server_urls: tuple[str, ...] = ()

@@ -65,6 +65,7 @@ class Engine:
         )
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_by_loop: dict[asyncio.AbstractEventLoop, list[Sequence]] = {}
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -86,14 +87,32 @@ class Engine:
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             on_finish=lambda completion: _resolve_threadsafe(loop, future, completion),
         )
-        self._inbox.put(("add", seq))
-        self._wake.set()
+        self._add_this_tick(loop, seq)
         try:
             return await future
         except asyncio.CancelledError:
+            pending = self._pending_by_loop.get(loop, [])
+            if any(s is seq for s in pending):  # cancelled before its tick was flushed: never sent
+                pending[:] = [s for s in pending if s is not seq]
+                raise
             self._inbox.put(("abort", seq))
             self._wake.set()
             raise
+
+    def _add_this_tick(self, loop: asyncio.AbstractEventLoop, seq: Sequence) -> None:
+        """Requests submitted in one event-loop tick reach the engine together, so they share a step.
+
+        This makes a step's batch a function of what was submitted, not of thread timing: a synchronous
+        pipeline (all of a step's requests at once) is then bitwise reproducible, resume included.
+        """
+        pending = self._pending_by_loop.setdefault(loop, [])
+        pending.append(seq)
+        if len(pending) == 1:
+            loop.call_soon(self._flush_tick, loop)
+
+    def _flush_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._inbox.put(("add_many", self._pending_by_loop.pop(loop, [])))
+        self._wake.set()
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         await asyncio.to_thread(self._update_weights, weights, version)
@@ -192,8 +211,9 @@ class Engine:
                 kind, seq = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self.scheduler.add(seq)
+            if kind == "add_many":
+                for one in seq:
+                    self.scheduler.add(one)
             elif self.scheduler.abort(seq):
                 seq.on_finish(seq.completion())
 

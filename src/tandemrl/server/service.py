@@ -164,7 +164,7 @@ class RolloutService:
 
     def _forget_expired(self) -> None:
         horizon = time.monotonic() - self.result_ttl_s
-        expired = [i for i, e in self._entries.items() if e.task.done() and e.finished_at < horizon]
+        expired = [i for i, e in self._entries.items() if 0 < e.finished_at < horizon]  # 0: its done-callback has not run yet
         for request_id in expired:
             del self._entries[request_id]
 

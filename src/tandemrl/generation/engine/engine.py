@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -172,6 +173,9 @@ class Engine:
             "engine/num_steps": times.num_steps,
             "engine/prepare_s": times.prepare_s,
             "engine/device_wait_s": times.device_wait_s,
+            "engine/gpu_s": times.gpu_s,
+            "engine/schedule_s": times.schedule_s,
+            "engine/postprocess_s": times.postprocess_s,
             "engine/version": self.version,
         }
 
@@ -198,12 +202,16 @@ class Engine:
                     self._fail_all(error)
 
     def step(self) -> None:
+        times, start = self.runner.times, time.perf_counter()
         batch = self.scheduler.schedule()
+        times.schedule_s += time.perf_counter() - start
         if batch is None:
             return
         token_ids, logprobs = self.runner.run(batch)
+        start = time.perf_counter()
         for seq in self.scheduler.postprocess(batch, token_ids, logprobs, self.version):
             seq.on_finish(seq.completion())
+        times.postprocess_s += time.perf_counter() - start
 
     def _drain_inbox(self) -> None:
         while True:
@@ -243,11 +251,11 @@ class Engine:
         if self.device.type != "cuda":
             return max(2, config.kv_cache_tokens // config.block_size + 1)
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         # head room for activations: the largest prefill, and logits + sampler buffers of a full decode batch
         hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
         activations = config.max_num_batched_tokens * hidden * 4 + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
-        budget = total * config.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device) - activations
+        budget = total * config.gpu_memory_utilization - (total - free - reusable) - activations
         num_blocks = int(budget // self.runner.bytes_per_block())
         if num_blocks < self.max_model_len // config.block_size + 2:
             raise ValueError(f"only {num_blocks} KV blocks fit; raise --gpu_memory_utilization or lower --max_model_len")

@@ -10,7 +10,7 @@ block 0 and are discarded); prefill runs eagerly. On CPU everything is eager and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,8 +29,9 @@ class StepTimes:
     num_steps: int = 0
     prepare_s: float = 0.0  # building inputs on the host and launching
     device_wait_s: float = 0.0  # from the last launch until the sampled tokens are on the host
-    gpu_s: float = 0.0  # device busy time of decode steps (CUDA events), 0 on CPU
-    by_kind: dict[str, int] = field(default_factory=dict)
+    gpu_s: float = 0.0  # device busy time from first launch to sampled tokens (CUDA events), 0 on CPU
+    schedule_s: float = 0.0  # written by the engine: scheduler.schedule()
+    postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
 
 class ModelRunner:
@@ -82,15 +83,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
         start = time.perf_counter()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.is_cuda else None
+        if events:
+            events[0].record()
+        sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
         if batch.is_prefill:
             self._table_key = None  # block tables may have changed under the decode cache
             logits = self._prefill(batch)
         else:
             logits = self._decode(batch.seqs)
-        sampling = self._sampling_tensors(batch.seqs)
         token_ids, logprobs = self._sample(logits, sampling)
+        if events:
+            events[1].record()
         launched = time.perf_counter()
         token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
+        if events:
+            self.times.gpu_s += events[0].elapsed_time(events[1]) / 1000
         self.times.num_steps += 1
         self.times.prepare_s += launched - start
         self.times.device_wait_s += time.perf_counter() - launched

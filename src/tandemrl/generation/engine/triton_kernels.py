@@ -95,8 +95,9 @@ def _sample_kernel(logits_ptr, temps_ptr, keys_ptr, tokens_ptr, logprobs_ptr, st
     run_max = tl.full([TILE], float("-inf"), tl.float32)
     run_sum = tl.zeros([TILE], tl.float32)
     best_score = tl.full([TILE], float("-inf"), tl.float32)
-    best_logit = tl.zeros([TILE], tl.float32)
-    best_index = tl.zeros([TILE], tl.int64)
+    # lanes past the vocab never win: they must not alias token 0 when the winner is read back below
+    best_logit = tl.full([TILE], float("-inf"), tl.float32)
+    best_index = tl.full([TILE], -1, tl.int64)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         valid = v < V
@@ -129,3 +130,63 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor) -> tup
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_kernel[(batch,)](logits, temperatures, keys, tokens, logprobs, logits.stride(0), vocab_size, TILE=1024, num_warps=4)
     return tokens, logprobs
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, E, eps, HAS_RES: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one row: (x + residual) rounded to the activation dtype, then RMSNorm in float32 (as transformers)
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    x = tl.load(x_ptr + row * stride_x + e, mask=valid, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + e, mask=valid, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_o + e, x, mask=valid)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / E + eps)).to(x.dtype)
+    w = tl.load(w_ptr + e, mask=valid, other=0.0)
+    tl.store(out_ptr + row * stride_o + e, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """x [R, E] (any leading shape) -> RMSNorm(x [+ residual]); with a residual also returns the sum."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res2 = residual.reshape(-1, shape[-1]) if residual is not None else x2
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0), shape[-1], eps,
+        HAS_RES=residual is not None, BLOCK_E=triton.next_power_of_2(shape[-1]), num_warps=4,
+    )  # fmt: skip
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _rope_kernel(qk_ptr, pos_ptr, table_ptr, stride_n, stride_p, HALF: tl.constexpr):
+    # in place on one head of one token; rotate-half RoPE with transformers' roundings to the activation dtype
+    n = tl.program_id(0)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + n)
+    i = tl.arange(0, HALF)
+    base = qk_ptr + n * stride_n + head * 2 * HALF
+    x1 = tl.load(base + i)
+    x2 = tl.load(base + HALF + i)
+    dtype = x1.dtype
+    cos1 = tl.load(table_ptr + pos * stride_p + i).to(dtype).to(tl.float32)
+    cos2 = tl.load(table_ptr + pos * stride_p + HALF + i).to(dtype).to(tl.float32)
+    sin1 = tl.load(table_ptr + pos * stride_p + 2 * HALF + i).to(dtype).to(tl.float32)
+    sin2 = tl.load(table_ptr + pos * stride_p + 3 * HALF + i).to(dtype).to(tl.float32)
+    a1 = (x1.to(tl.float32) * cos1).to(dtype).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * sin1).to(dtype).to(tl.float32)
+    a2 = (x2.to(tl.float32) * cos2).to(dtype).to(tl.float32)
+    b2 = (x1.to(tl.float32) * sin2).to(dtype).to(tl.float32)
+    tl.store(base + i, (a1 + b1).to(dtype))
+    tl.store(base + HALF + i, (a2 + b2).to(dtype))
+
+
+def rope_(qk: Tensor, num_heads: int, head_dim: int, positions: Tensor, table: Tensor) -> None:
+    """In place: RoPE on the first `num_heads` heads of each row of qk [N, >= num_heads * D]; table [P, 2, D]."""
+    _rope_kernel[(qk.shape[0], num_heads)](qk, positions, table, qk.stride(0), table.stride(0), HALF=head_dim // 2, num_warps=1)

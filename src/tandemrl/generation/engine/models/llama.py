@@ -72,7 +72,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual). Fused on CUDA."""
+        if x.is_cuda:
+            from tandemrl.generation.engine.triton_kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,14 +111,24 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.k_cache = self.v_cache = torch.empty(0)  # [S, K, D] views into the runner's cache
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+    def forward(self, x: Tensor, rope: tuple[Tensor, ...], meta: AttentionMetadata) -> Tensor:
+        qkv = self.qkv_proj(x)  # [N, (H + 2K) * D]
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, K, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
+            q, k, v = (t.view(len(x), -1, self.head_dim) for t in qkv.split(self.qkv_sizes, dim=-1))
+        if x.is_cuda:  # one fused in-place kernel over the q and k heads of the qkv buffer
+            from tandemrl.generation.engine.triton_kernels import rope_
+
+            positions, table = rope
+            rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, table)
+        else:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)  # [N, H, D]
         return self.o_proj(out.reshape(len(x), -1))
 
@@ -132,9 +153,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, ...], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -167,11 +191,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # [N, E]
-        cos_sin = self.rope_cos_sin[positions].to(x.dtype)  # [N, 2, D]
-        cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
+        if x.is_cuda:
+            rope = (positions, self.rope_cos_sin)
+        else:
+            cos_sin = self.rope_cos_sin[positions].to(x.dtype)  # [N, 2, D]
+            rope = (cos_sin[:, :1], cos_sin[:, 1:])
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

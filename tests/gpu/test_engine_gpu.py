@@ -1,0 +1,150 @@
+"""The engine's GPU path (Triton decode attention, fused sampler, CUDA graphs) against its CPU path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tandemrl.generation.base import EngineConfig
+from tandemrl.generation.engine import Engine
+from tandemrl.generation.engine.attention import build_gather_metadata, gather_attention
+from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
+from tandemrl.types import SamplingParams
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FAMILIES = {
+    "qwen2": dict(model_type="qwen2"),
+    "llama3-untied": dict(
+        model_type="llama",
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_gather_attention(dtype):
+    from tandemrl.generation.engine.triton_kernels import decode_attention
+
+    torch.manual_seed(0)
+    block, num_blocks, heads, kv_heads, dim = 16, 64, 14, 2, 64
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lens = [1, 17, 100, 300]
+    perm = torch.randperm(num_blocks - 1) + 1
+    tables, at = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(perm[at : at + count].tolist())
+        at += count
+    q = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
+    meta = build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda"))
+    expected = gather_attention(q, k_cache, v_cache, meta).float()
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    got = decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32, device="cuda"), block).float()
+    error = (got - expected).norm() / expected.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@cuda
+def test_fused_sampler_matches_the_torch_sampler():
+    from tandemrl.generation.engine.triton_kernels import sample_unfiltered
+
+    torch.manual_seed(1)
+    batch, vocab = 64, 151936
+    logits = torch.randn(batch, vocab, device="cuda") * 3
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3] * 16, device="cuda")
+    keys = row_keys(torch.arange(batch, device="cuda") * 7919, torch.full((batch,), 130, device="cuda"))
+    sampling = SamplingTensors(
+        temperatures=temperatures,
+        top_k=torch.full((batch,), vocab, device="cuda"),
+        top_p=torch.ones(batch, device="cuda"),
+        min_p=torch.zeros(batch, device="cuda"),
+        keys=keys,
+        needs_filter=False,
+    )
+    expected_ids, expected_lp = sample(logits, sampling)
+    got_ids, got_lp = sample_unfiltered(logits, temperatures, keys)
+    assert (got_ids == expected_ids).float().mean() > 0.98  # near-ties may flip on last-bit differences
+    same = got_ids == expected_ids
+    assert torch.allclose(got_lp[same], expected_lp[same], atol=1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_engine_matches_cpu_engine(tmp_path, family):
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=1, **FAMILIES[family])
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(5)] + [[7, 8, 9]] * 4
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(EngineConfig(model=model_dir, device=device, dtype="float32", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=256))
+
+        async def all_requests(engine=engine):
+            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+        outputs[device] = run(all_requests())
+        run(engine.close())
+    cpu, gpu = outputs["cpu"], outputs["cuda"]
+    matches = sum(a.token_ids == b.token_ids for a, b in zip(cpu, gpu))
+    assert matches >= len(prompts) - 1
+    for a, b in zip(cpu, gpu):
+        if a.token_ids == b.token_ids:
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+@cuda
+def test_bfloat16_graphs_sleep_and_wake(tmp_path):
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=2)
+    engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
+    assert engine.runner.graphs
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    before = run(engine.generate([5, 6, 7, 8], params))
+    run(engine.sleep(2))
+    run(engine.wake())
+    assert engine.runner.graphs
+    assert run(engine.generate([5, 6, 7, 8], params)).token_ids == before.token_ids
+    run(engine.close())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rope_match_the_torch_path(dtype):
+    from tandemrl.generation.engine.models.llama import RMSNorm, apply_rope
+    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_
+
+    torch.manual_seed(2)
+    norm = RMSNorm(896, 1e-6).cuda().to(dtype)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(37, 896, device="cuda", dtype=dtype), torch.randn(37, 896, device="cuda", dtype=dtype)
+    out, summed = rms_norm(x, norm.weight, 1e-6, residual)
+    assert torch.equal(summed, x + residual)
+    assert torch.allclose(out.float(), norm._norm(x + residual).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    heads, dim = 6, 64
+    qkv = torch.randn(37, (heads + 2) * dim, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 500, (37,), device="cuda")
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.arange(512).float()[:, None] * inv_freq
+    emb = torch.cat((emb, emb), -1)
+    table = torch.stack((emb.cos(), emb.sin()), 1).cuda()
+    cos_sin = table[positions].to(dtype)
+    expected = apply_rope(qkv[:, : heads * dim].view(37, heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    got = qkv.clone()
+    rope_(got, heads, dim, positions, table)
+    error = (got[:, : heads * dim].view(37, heads, dim).float() - expected.float()).norm() / expected.float().norm()
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6), error
+    assert torch.equal(got[:, heads * dim :], qkv[:, heads * dim :])

@@ -33,33 +33,32 @@ log = logging.getLogger(__name__)
 
 def run(config: TrainConfig) -> Path:
     """Runs the whole training; returns the run directory."""
+    from tandemrl.logging.metrics import MetricsLogger
+    from tandemrl.logging.progress import Progress
+
     run_dir = _run_dir(config)
     checkpoint = _resume_point(config, run_dir)
     torch.manual_seed(config.run.seed)
     tokenizer, model = _policy(config, checkpoint)
     examples, prompt_ids = _data(config, tokenizer)
+    reward_funcs = _rewards(config)
     trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
-    start_step = 0
-    if checkpoint is not None:
-        state = load_state(checkpoint)
+    state = load_state(checkpoint) if checkpoint is not None else None
+    if state is not None:
         trainer.load_state_dict(state["trainer"])
         cursor.load_state_dict(state["cursor"])
-        start_step = state["step"]
-        log.info("resuming from %s (step %d, policy version %d)", checkpoint, start_step, trainer.policy_version)
+        log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
+    start_step = state["step"] if state is not None else 0
     generator, sync = _rollout_side(config, model, tokenizer)
+    _save_config(config, run_dir)
     parts = LoopParts(
         examples=examples, prompt_ids=prompt_ids, cursor=cursor, generator=generator, sync=sync, trainer=trainer,
-        tokenizer=tokenizer, reward_funcs=_rewards(config), reward_weights=list(config.reward.reward_weights) or _task_weights(config),
-        params=_sampling(config, tokenizer), logger=None, progress=None, run_dir=run_dir,
+        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config), params=_sampling(config),
+        logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
+        progress=Progress(config.run.max_steps, start_step=start_step), run_dir=run_dir,
     )
-    _save_config(config, run_dir)
-    from tandemrl.logging.metrics import MetricsLogger
-    from tandemrl.logging.progress import Progress
-
-    parts.logger = MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name)
-    parts.progress = Progress(config.run.max_steps, start_step=start_step)
-    if checkpoint is not None:
+    if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         asyncio.run(_main(parts, _settings(config), start_step))
@@ -138,13 +137,15 @@ def _rewards(config: TrainConfig) -> list:
     return load_reward_funcs(names)
 
 
-def _task_weights(config: TrainConfig) -> list[float] | None:
+def _reward_weights(config: TrainConfig) -> list[float] | None:
+    if config.reward.reward_weights:
+        return list(config.reward.reward_weights)
     if config.reward.reward_funcs or not config.run.task:
         return None
     return get_task(config.run.task).reward_weights
 
 
-def _sampling(config: TrainConfig, tokenizer: Any) -> SamplingParams:
+def _sampling(config: TrainConfig) -> SamplingParams:
     r = config.rollout
     return SamplingParams(
         max_tokens=config.algo.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p

@@ -20,6 +20,8 @@ import torch
 from tandemrl.algo.advantage import group_relative_advantages, zero_variance_groups
 from tandemrl.data.sampler import PromptCursor
 from tandemrl.generation.base import Generator
+from tandemrl.logging.metrics import MetricsLogger
+from tandemrl.logging.progress import Progress
 from tandemrl.rewards.base import RewardFunc, score
 from tandemrl.rollout.group import failed, play_group
 from tandemrl.train.checkpoint import save_checkpoint
@@ -58,8 +60,8 @@ class LoopParts:
     reward_funcs: list[RewardFunc]
     reward_weights: list[float] | None
     params: SamplingParams
-    logger: Any  # tandemrl.logging.metrics.MetricsLogger
-    progress: Any  # tandemrl.logging.progress.Progress
+    logger: MetricsLogger
+    progress: Progress
     run_dir: Path
 
 

@@ -15,7 +15,6 @@ from rollout_helpers import GREEDY, local_greedy, start_server, sync, trainer_mo
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote import RolloutClient
-from tandemrl.types import SamplingParams
 
 
 

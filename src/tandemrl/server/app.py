@@ -39,7 +39,10 @@ T = TypeVar("T")
 
 
 def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0) -> FastAPI:
-    """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup)."""
+    """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup).
+
+    Long on purpose: it is the route table, one short handler per route, read top to bottom.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -3,8 +3,13 @@ engine once `tandemrl.generation.engine` imports); fault tests start their own."
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
-from rollout_helpers import BACKENDS, start_server
+
+sys.path.insert(0, os.path.dirname(__file__))  # the test modules here import rollout_helpers (importlib import mode)
+from rollout_helpers import BACKENDS, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

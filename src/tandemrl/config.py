@@ -10,6 +10,7 @@ from typing import Any
 
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
+from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
 
 
 @dataclass(kw_only=True)
@@ -57,7 +58,9 @@ class RolloutConfig:
     rollout_mode: str = "colocate"
     """colocate (engine in the trainer's process) or server (tandem rollout servers)."""
     rollout_server_urls: tuple[str, ...] = ()
-    """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000."""
+    """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
+    rollout_server_timeout: float = 240.0
+    """Server mode: seconds to wait for the servers to be ready before one clear error."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's logprobs use the same)."""
     top_p: float = 1.0
@@ -100,7 +103,10 @@ class LogConfig:
     """Name of the run in the sinks (default: the run directory's name)."""
 
 
-LEAVES = (RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig)
+LEAVES = (
+    RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
+    LocalSyncConfig, DistributedSyncConfig,
+)
 
 
 @dataclass(kw_only=True)
@@ -115,6 +121,8 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    local_sync: LocalSyncConfig = field(default_factory=LocalSyncConfig)
+    distributed_sync: DistributedSyncConfig = field(default_factory=DistributedSyncConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config."""

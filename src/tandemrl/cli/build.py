@@ -26,7 +26,7 @@ from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import SamplingParams
-from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig, build_weight_sync
+from tandemrl.weights.base import build_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +156,13 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator."""
     r = config.rollout
     if r.rollout_mode == "server":
-        generator = build_generator(RemoteConfig(urls=tuple(r.rollout_server_urls)))
-        return generator, build_weight_sync(DistributedSyncConfig(), generator)
+        remote = RemoteConfig(urls=tuple(r.rollout_server_urls), rollout_server_timeout=r.rollout_server_timeout)
+        generator = build_generator(remote)
+        return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device
     backend = EngineConfig(device=device, seed=config.run.seed) if r.generator == "engine" else HFConfig(device=device)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)
-    return generator, build_weight_sync(LocalSyncConfig(), generator)
+    return generator, build_weight_sync(config.local_sync, generator)
 
 
 def _settings(config: TrainConfig) -> LoopSettings:

@@ -1,0 +1,30 @@
+"""`tandem train --rollout_mode server`: a real trainer process and a real `tandem rollout` process,
+rollouts over HTTP, weights over a gloo group; the server ends at the trainer's version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rollout_helpers import start_server
+
+
+def test_training_through_a_rollout_server_keeps_versions_in_step(tiny_model_dir, tmp_path):
+    server = start_server(tiny_model_dir, backend="engine")
+    try:
+        args = [
+            sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--rollout_mode", "server",
+            "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
+            "--output_dir", str(tmp_path), "--max_steps", "3", "--num_prompts_per_step", "4", "--num_generations", "4",
+            "--max_completion_length", "6", "--max_prompt_length", "64",
+        ]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:] + server.log_text()[-2000:]
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["policy_version"] for r in rows] == [1, 2, 3]
+        assert server.get("/ready").json()["policy_version"] == 3
+    finally:
+        server.stop()

@@ -98,8 +98,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def check_known(values: dict[str, Any], classes: list[type], source: str) -> None:
+def check_known(values: dict[str, Any], classes: list[type], source: str, *, command: str) -> None:
+    """A --config file may only name flags of `command`."""
     known = {f.name for cls in classes for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}; see `tandem train --help`")
+        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}; see `tandem {command} --help`")

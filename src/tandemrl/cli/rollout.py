@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
     values: dict[str, Any] = load_yaml(config_path) if config_path else {}
-    check_known(values, [RolloutServerConfig], config_path or "")
+    check_known(values, [RolloutServerConfig], config_path or "", command="rollout")
     config = build_config(RolloutServerConfig, {**values, **args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)

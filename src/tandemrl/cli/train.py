@@ -27,7 +27,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config")
     values = load_yaml(config_path) if config_path else {}
-    check_known(values, list(LEAVES), config_path or "")
+    check_known(values, list(LEAVES), config_path or "", command="train")
     values = resolve(values, flags)
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     leaves = {name: build_config(leaf, values) for name, leaf in zip(fields, LEAVES)}

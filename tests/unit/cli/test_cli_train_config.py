@@ -1,0 +1,43 @@
+"""Config resolution of `tandem train`: defaults < task recipe < --config yaml < flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandemrl.cli.args import field_docs
+from tandemrl.cli.train import parse
+from tandemrl.config import LEAVES
+
+
+def test_no_arguments_is_the_synthetic_task_with_its_recipe():
+    config, _ = parse([])
+    assert config.run.task == "synthetic" and config.run.model == "tandem:tiny"
+    assert config.trainer.learning_rate == 1e-3 and config.algo.max_completion_length == 8
+
+
+def test_yaml_overrides_recipe_and_flags_override_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 0.5\nnum_generations: 4\nreward_funcs: [length]\n")
+    config, _ = parse(["--config", str(path), "--num_generations", "6"])
+    assert config.trainer.learning_rate == 0.5 and config.data.num_generations == 6
+    assert config.reward.reward_funcs == ("length",)
+
+
+def test_unknown_yaml_setting_is_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rat: 0.5\n")
+    with pytest.raises(ValueError, match="unknown setting.*learning_rat"):
+        parse(["--config", str(path)])
+
+
+def test_bad_value_is_a_one_line_error_naming_the_flag():
+    with pytest.raises(ValueError, match="--num_generations must be >= 2"):
+        parse(["--num_generations", "1"])
+
+
+def test_every_flag_has_help_and_flag_names_are_unique():
+    names = [f for leaf in LEAVES for f in leaf.__dataclass_fields__]
+    assert len(names) == len(set(names))
+    for leaf in LEAVES:
+        docs = field_docs(leaf)
+        assert all(docs.get(name) for name in leaf.__dataclass_fields__), leaf.__name__

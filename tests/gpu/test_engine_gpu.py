@@ -87,7 +87,11 @@ def test_gpu_engine_matches_cpu_engine(tmp_path, family):
 
     model_dir = save_tiny(str(tmp_path), seed=1, **FAMILIES[family])
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(5)] + [[7, 8, 9]] * 4
-    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    # top-k rows make the graph's unfiltered samples be redrawn with the filters (runner._decode)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 1.0, top_k=20 if i % 3 == 1 else -1, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     outputs = {}
     for device in ("cpu", "cuda"):
         engine = Engine(EngineConfig(model=model_dir, device=device, dtype="float32", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=256))

@@ -92,3 +92,23 @@ def build_gather_metadata(
         mask=mask[:, None].to(device),
         output_index=output_index.to(device),
     )
+
+
+def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapping: Tensor, block_size: int) -> AttentionMetadata:
+    """Gather metadata of a decode step (one query per row, at its last position) from device tensors.
+
+    Equals build_gather_metadata([1] * B, context_lens, block_tables, ...); used by the pure-PyTorch
+    path, whose decode inputs live in tensors (decode_state.py) rather than host lists.
+    """
+    batch = len(context_lens)
+    positions = torch.arange(int(context_lens.max()), device=block_tables.device)  # [C]
+    key_slots = block_tables[:, positions // block_size].to(torch.int64) * block_size + positions % block_size  # [B, C]
+    valid = positions[None, :] < context_lens[:, None]  # [B, C]
+    rows = torch.arange(batch, device=block_tables.device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_index=rows[:, None],
+        key_slots=key_slots.masked_fill(~valid, 0),
+        mask=valid[:, None, None, :],
+        output_index=rows,
+    )

@@ -54,7 +54,6 @@ class Engine:
             max_model_len=self.max_model_len,
             use_graphs=not config.enforce_eager,
         )
-        self.runner.prepare_cuda()
         self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
         self.runner.allocate_kv_cache(len(self.blocks.blocks))
         self.scheduler = Scheduler(

@@ -5,17 +5,20 @@ Legend: B sequences sampled, N tokens computed, L layers, S cache slots, K kv he
 Owns the KV cache tensor [L, 2, S, K, D] (S = blocks * block_size). On CUDA, decode steps replay a
 CUDA graph captured at the smallest bucketed batch size >= B (padded rows write into the scratch
 block 0 and are discarded); prefill runs eagerly. On CPU everything is eager and pure PyTorch.
+A decode step reads its inputs from the persistent DecodeState and samples inside the graph, so
+the host's only per-step work is the replay and one wait for the sampled ids and logprobs.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.attention import AttentionMetadata, build_gather_metadata
+from tandemrl.generation.engine.attention import build_gather_metadata
+from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
 from tandemrl.generation.engine.scheduler import ScheduledBatch
@@ -44,10 +47,14 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
         self.times = StepTimes()
-        self._table_key: list[int] | None = None
+        self.state = DecodeState(self.graph_sizes[-1], self.max_blocks_per_seq, self.vocab_size, self.device)
+        if self.is_cuda:  # sampled ids and logprobs land here, both in one wait
+            self._host_ids = torch.empty(self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
+            self._host_logprobs = torch.empty(self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]  # start, sampled, on host
 
     # --- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -61,6 +68,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.graphs.clear()
+        self.state.reset()
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -83,26 +91,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
         start = time.perf_counter()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.is_cuda else None
-        if events:
-            events[0].record()
-        sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
+        if self.is_cuda:
+            self._events[0].record()
         if batch.is_prefill:
-            self._table_key = None  # block tables may have changed under the decode cache
-            logits = self._prefill(batch)
+            self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
+            sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
+            token_ids, logprobs = self._sample(self._prefill(batch), sampling)
         else:
-            logits = self._decode(batch.seqs)
-        token_ids, logprobs = self._sample(logits, sampling)
-        if events:
-            events[1].record()
+            token_ids, logprobs = self._decode(batch.seqs)
         launched = time.perf_counter()
-        token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
-        if events:
-            self.times.gpu_s += events[0].elapsed_time(events[1]) / 1000
+        token_list, logprob_list = self._to_host(token_ids, logprobs)
+        if self.is_cuda:
+            self.times.gpu_s += self._events[0].elapsed_time(self._events[1]) / 1000
         self.times.num_steps += 1
         self.times.prepare_s += launched - start
         self.times.device_wait_s += time.perf_counter() - launched
         return token_list, logprob_list
+
+    def _to_host(self, token_ids: Tensor, logprobs: Tensor) -> tuple[list[int], list[float]]:
+        """The step's only wait on the device: both results in one pinned copy each, then one sync."""
+        if not self.is_cuda:
+            return token_ids.tolist(), logprobs.tolist()
+        self._events[1].record()
+        host_ids, host_logprobs = self._host_ids[: len(token_ids)], self._host_logprobs[: len(token_ids)]
+        host_ids.copy_(token_ids, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        self._events[2].record()
+        self._events[2].synchronize()
+        return host_ids.tolist(), host_logprobs.tolist()
 
     def _prefill(self, batch: ScheduledBatch) -> Tensor:
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
@@ -124,90 +140,46 @@ class ModelRunner:
             logits = logits[torch.tensor(batch.sample_rows, device=self.device)]
         return logits
 
-    def _decode(self, seqs: list[Sequence]) -> Tensor:
-        batch = len(seqs)
-        positions = [s.num_tokens - 1 for s in seqs]
-        input_ids = [s.token_ids[-1] for s in seqs]
-        size = self.block_size
-        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
-        if not self.is_cuda:
-            lens = [p + 1 for p in positions]
-            meta = build_gather_metadata([1] * batch, lens, [s.block_table for s in seqs], size, self.device)
-            return self.model.compute_logits(self.model(torch.tensor(input_ids), torch.tensor(positions), meta))
+    def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor]:
+        batch, state = len(seqs), self.state
         graph_size = next((g for g in self.graph_sizes if g >= batch), None) if self.use_graphs else None
-        rows = graph_size or batch
-        host = self._host_inputs[:, :rows]
-        host[:, batch:] = 0
-        host[3, batch:] = 1  # padded rows attend to one slot of the scratch block
-        host[0, :batch] = torch.tensor(input_ids)
-        host[1, :batch] = torch.tensor(positions)
-        host[2, :batch] = torch.tensor(slots)
-        host[3, :batch] = host[1, :batch] + 1
-        self._static_inputs[:, :rows].copy_(host, non_blocking=True)
-        self._static_tables[:rows].copy_(self._block_tables(seqs, rows), non_blocking=True)
-        self._static_lens[:rows].copy_(self._static_inputs[3, :rows])
+        state.load(seqs, graph_size or batch)
         if graph_size is None:
-            return self._forward_decode(rows)[:batch]
-        graph, logits = self.graphs[graph_size]
-        graph.replay()
-        return logits[:batch]
-
-    def _forward_decode(self, rows: int) -> Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self._static_inputs[2, :rows],
-            block_tables=self._static_tables[:rows],
-            context_lens=self._static_lens[:rows],
-            block_size=self.block_size,
-        )
-        hidden = self.model(self._static_inputs[0, :rows], self._static_inputs[1, :rows], meta)
-        return self.model.compute_logits(hidden)
-
-    def _block_tables(self, seqs: list[Sequence], rows: int) -> Tensor:
-        """[rows, M] int32 on the host; rebuilt only when the batch changed, else only grown rows."""
-        tables, lens = self._host_tables, self._table_lens
-        key = [s.seq_id for s in seqs]
-        if key != self._table_key:
-            tables.zero_()
-            for i, seq in enumerate(seqs):
-                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-                lens[i] = len(seq.block_table)
-            self._table_key = key
+            token_ids, logprobs, _, _ = self._decode_step(batch, needs_filter=state.needs_filter)
         else:
-            for i, seq in enumerate(seqs):
-                if len(seq.block_table) != lens[i]:
-                    tables[i, lens[i] : len(seq.block_table)] = torch.tensor(seq.block_table[lens[i] :], dtype=torch.int32)
-                    lens[i] = len(seq.block_table)
-        return tables[:rows]
+            graph, (token_ids, logprobs, logits, sampling) = self.graphs[graph_size]
+            graph.replay()
+            if state.needs_filter:  # the graph samples unfiltered; resample these rows and fix their next input
+                token_ids, logprobs = sample(logits, replace(sampling, needs_filter=True))
+                state.input_ids[:batch].copy_(token_ids[:batch])
+        state.advanced()
+        return token_ids[:batch], logprobs[:batch]
+
+    def _decode_step(self, rows: int, *, needs_filter: bool) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
+        """One decode step of state rows [0, rows), all on the device (this is what a graph captures):
+        forward, sample, and advance the state to the next step's inputs."""
+        state = self.state
+        meta = state.metadata(rows, self.block_size, gather=not self.is_cuda)
+        logits = self.model.compute_logits(self.model(state.input_ids[:rows], state.positions[:rows], meta))  # [rows, V]
+        sampling = state.sampling(rows, needs_filter=needs_filter)
+        token_ids, logprobs = self._sample(logits, sampling)
+        state.advance(rows, token_ids)
+        return token_ids, logprobs, logits, sampling
 
     # --- CUDA graphs ---------------------------------------------------------------------------------
-    def _allocate_static(self) -> None:
-        max_rows = self.graph_sizes[-1]
-        self._host_inputs = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=True)  # ids, pos, slots, lens
-        self._host_tables = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=True)
-        self._table_lens = [0] * max_rows
-        self._static_inputs = torch.zeros((4, max_rows), dtype=torch.int64, device=self.device)
-        self._static_tables = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
-        self._static_lens = torch.ones(max_rows, dtype=torch.int32, device=self.device)
-
-    def prepare_cuda(self) -> None:
-        if self.is_cuda:
-            self._allocate_static()
-
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        self._table_key = None
-        self._static_inputs.zero_()
-        self._static_lens.fill_(1)
-        self._static_tables.zero_()
+        self.state.reset()
         pool = None
         for size in reversed(self.graph_sizes):
-            self._forward_decode(size)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
+            self._decode_step(size, needs_filter=False)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward_decode(size)
+                outputs = self._decode_step(size, needs_filter=False)
             pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize()
+        self.state.reset()  # the warm-ups wrote sampled ids into the padded rows
 
     # --- sampling ------------------------------------------------------------------------------------
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:

@@ -1,11 +1,15 @@
 """One contract suite over every Generator backend: add a backend by adding a factory to BACKENDS.
 
 Each factory takes the tiny model directory and returns a Generator (sync; awaitable cleanup via close).
+The remote backend is a real `tandem rollout` process (engine inside) reached over HTTP, its weights
+pushed over a gloo group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 import torch
@@ -25,9 +29,35 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.fixture(params=list(BACKENDS))
+@pytest.fixture(scope="module")
+def rollout_server(tiny_model_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration", "server"))
+    from rollout_helpers import start_server
+
+    server = start_server(tiny_model_dir, backend="engine")
+    yield server
+    server.stop()
+
+
+def remote_generator(server, model_dir: str) -> Generator:
+    """A client of the module's server, which first gets the original weights back at version 0."""
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RemoteGenerator
+    from tandemrl.weights.base import DistributedSyncConfig
+
+    sync = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30)
+    gen = RemoteGenerator(RemoteConfig(urls=(server.url,), rollout_server_timeout=60), sync=sync)
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    run(gen.update_weights(original.named_parameters(), version=0))
+    return gen
+
+
+@pytest.fixture(params=[*BACKENDS, "remote"])
 def generator(request, tiny_model_dir) -> Generator:
-    gen = BACKENDS[request.param](tiny_model_dir)
+    if request.param == "remote":
+        gen = remote_generator(request.getfixturevalue("rollout_server"), tiny_model_dir)
+    else:
+        gen = BACKENDS[request.param](tiny_model_dir)
     yield gen
     run(gen.close())
 

@@ -259,16 +259,17 @@ class RolloutClient:
 class RemoteGenerator:
     """A Generator whose tokens come from rollout servers; `update_weights` pushes over the group."""
 
-    def __init__(self, config: RemoteConfig):
+    def __init__(self, config: RemoteConfig, *, sync: DistributedSyncConfig | None = None):
         self.config = config
         self.client = RolloutClient(config)
+        self.sync = sync  # how update_weights reaches the servers (None: the defaults, or the last used)
         self.version = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         return await asyncio.wrap_future(self.client.submit(prompt_ids, params))
 
     async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        await self.client.update_weights_async(weights, version=version)
+        await self.client.update_weights_async(weights, version=version, sync=self.sync)
         self.version = version
 
     async def sleep(self, level: int) -> None:

@@ -32,6 +32,7 @@ from tandemrl.server.wire import (
     WeightGroupRequest,
     WeightUpdateRequest,
     WeightUpdateResponse,
+    per_sample,
     to_sampling_params,
 )
 
@@ -78,7 +79,7 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
         prompter.check(prompt_ids, params)
         if body.is_async:
             return GenerateResponse(request_ids=service.submit(prompt_ids, params, body.n))
-        tasks = [asyncio.ensure_future(service.generate(prompt_ids, params)) for _ in range(body.n)]
+        tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for p in per_sample(params, body.n)]
         await until_done_or_disconnect(request, asyncio.gather(*tasks, return_exceptions=True))
         results = [service.result(uuid.uuid4().hex, task) for task in tasks]
         errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
-from tandemrl.server.wire import GREEDY_EPS, MAX_SEED, ChatMessage
+from tandemrl.server.wire import GREEDY_EPS, MAX_SEED, ChatMessage, per_sample
 from tandemrl.types import Completion, SamplingParams
 
 
@@ -106,7 +106,7 @@ async def _respond(service: RolloutService, prompter: Prompter, request: Request
 
     for prompt_ids, p in zip(prompts, params):
         prompter.check(prompt_ids, p)
-    jobs = [(prompt_ids, p) for prompt_ids, p in zip(prompts, params) for _ in range(body.n)]
+    jobs = [(prompt_ids, one) for prompt_ids, p in zip(prompts, params) for one in per_sample(p, body.n)]
     tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for prompt_ids, p in jobs]
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name}
     if body.stream:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.generation.base import Generator
-from tandemrl.server.wire import Result
+from tandemrl.server.wire import Result, per_sample
 from tandemrl.types import Completion, SamplingParams
 from tandemrl.weights.distributed import WeightReceiver
 
@@ -126,8 +126,8 @@ class RolloutService:
         """Starts `n` samples; returns their request ids at once."""
         self._forget_expired()
         ids = [uuid.uuid4().hex for _ in range(n)]
-        for request_id in ids:
-            task = asyncio.create_task(self.generate(prompt_ids, params))
+        for request_id, sample_params in zip(ids, per_sample(params, n)):
+            task = asyncio.create_task(self.generate(prompt_ids, sample_params))
             entry = self._entries[request_id] = _Entry(task)
             task.add_done_callback(lambda _, e=entry: setattr(e, "finished_at", time.monotonic()))
         return ids

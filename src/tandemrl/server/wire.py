@@ -5,6 +5,7 @@ for every Generator; anything else is a 4xx naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,6 +48,17 @@ def to_sampling_params(s: Any, **overrides: Any) -> SamplingParams:
     )
     fields.update(overrides)
     return SamplingParams(**fields)
+
+
+def per_sample(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of `n` samples: a seeded request's sample i draws with seed + i, so the n
+    samples differ and the whole request is reproducible (as vLLM's seeded n > 1).
+
+    Example: per_sample(SamplingParams(seed=7), 2) -> [seed 7, seed 8]; unseeded -> n times the same
+    """
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
 
 class ChatMessage(BaseModel):

@@ -139,3 +139,9 @@ def test_gsm8k_task_on_local_data(tmp_path, tiny_model_dir):
     )
     assert result.returncode == 0, result.stderr
     assert {"rewards/math_accuracy/mean", "rewards/format/mean"} <= metrics(tmp_path / "run")[-1].keys()
+
+
+def test_engine_sleeps_during_training_and_serves_after_wake(tmp_path):
+    result = tandem("train", "--output_dir", str(tmp_path), "--max_steps", "2", "--sleep_level", "1", *TINY)
+    assert result.returncode == 0, result.stderr
+    assert [m["policy_version"] for m in metrics(tmp_path)] == [1, 2]

@@ -80,6 +80,13 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's sampler for requests without their own seed."""
 
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "--tensor_parallel_size > 1: the engine does not shard a model yet; "
+                "run one rollout server per GPU (data parallel) instead"
+            )
+
 
 @dataclass(kw_only=True)
 class RemoteConfig:

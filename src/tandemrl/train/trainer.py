@@ -62,7 +62,7 @@ class Trainer:
             for m in micro:
                 m.old_logprobs = self._logprobs(self.model, m)[0]
         metrics: dict[str, float] = {}
-        for iteration in range(self.algo.num_iterations):
+        for _ in range(self.algo.num_iterations):
             metrics = self._optimizer_step(micro, ref, counts, fresh_old=self.algo.num_iterations == 1)
         return metrics
 

@@ -57,6 +57,9 @@ def build_task(data: str | None = None, split: str = "train") -> Task:
             max_completion_length=8,
             max_prompt_length=16,
             learning_rate=1e-3,
+            # packed attention is dense over a micro-batch (a block-diagonal mask): with ~11-token
+            # sequences, 512-token micro-batches train 2.7x faster on a CPU than one of 1,400 tokens
+            max_tokens_per_microbatch=512,
             warmup_steps=0,
             temperature=1.0,
             loss_type="grpo",

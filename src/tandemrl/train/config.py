@@ -24,7 +24,8 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     max_tokens_per_microbatch: int = 8192
-    """Token budget of one packed micro-batch (sequences are packed without padding)."""
+    """Token budget of one packed micro-batch (sequences packed without padding; attention within a micro-batch
+    is computed densely under a block-diagonal mask, so many short sequences favour smaller budgets)."""
     logprob_chunk_size: int = 1024
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab."""
     gradient_checkpointing: bool = False

@@ -46,6 +46,7 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert [m["reward"] for m in metrics(full)] == [m["reward"] for m in metrics(split)]
     assert [m["step"] for m in metrics(split)] == [1, 2, 3, 4]
+    assert all(m["rollout/max_policy_lag"] == 0 for m in metrics(split))  # on-policy, resume included
 
 
 def test_checkpoint_loads_with_transformers_as_is(tmp_path):

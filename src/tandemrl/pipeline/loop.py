@@ -124,8 +124,15 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
         g.advantages = adv
     metrics.update(reward_metrics(ok))
     metrics["frac_reward_zero_std"] = float(flat.float().mean())
+    metrics["rollout/max_policy_lag"] = float(max_policy_lag(ok, version))
     trained = [g for g, f in zip(ok, flat.tolist()) if not (f and settings.drop_zero_variance_groups)]
     return Batch(groups=trained, policy_version=version), metrics
+
+
+def max_policy_lag(groups: list[Group], version: int) -> int:
+    """How many versions behind the trained weights the oldest sampled token is (0 when synchronous)."""
+    versions = [v for g in groups for r in g.rollouts for v, m in zip(r.trace.policy_versions, r.trace.loss_mask) if m]
+    return version - min(versions, default=version)
 
 
 def reward_metrics(groups: list[Group]) -> dict[str, float]:

@@ -25,6 +25,7 @@ def test_training_through_a_rollout_server_keeps_versions_in_step(tiny_model_dir
         assert result.returncode == 0, result.stderr[-3000:] + server.log_text()[-2000:]
         rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert [r["policy_version"] for r in rows] == [1, 2, 3]
+        assert [r["rollout/max_policy_lag"] for r in rows] == [0, 0, 0]  # each step sampled by the live version
         assert server.get("/ready").json()["policy_version"] == 3
     finally:
         server.stop()

@@ -160,7 +160,11 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         generator = build_generator(remote)
         return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device
-    backend = EngineConfig(device=device, seed=config.run.seed) if r.generator == "engine" else HFConfig(device=device)
+    if r.generator == "engine":  # sized for this run: the longest prompt plus the longest completion
+        max_model_len = config.data.max_prompt_length + config.algo.max_completion_length
+        backend: EngineConfig | HFConfig = EngineConfig(device=device, seed=config.run.seed, max_model_len=max_model_len)
+    else:
+        backend = HFConfig(device=device)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)
     return generator, build_weight_sync(config.local_sync, generator)
 

@@ -1,7 +1,9 @@
 """The rollout server's output tokens/s relative to the same Generator in-process, on one workload
 (a Qwen2.5-0.5B-shaped model, random weights): the cost of the HTTP skin and the client.
 
-Prints one JSON line per side and `server/in-process output tokens/s: <ratio>`.
+The server side is RemoteGenerator -> HTTP -> `tandem rollout`: the calls of one tick leave as one
+POST /generate_batch, as a trainer step's rollouts do. Prints one JSON line per side and
+`server/in-process output tokens/s: <ratio>`.
 `--device cpu --backend hf --shape tiny` checks the script anywhere.
 """
 

@@ -1,259 +1,26 @@
-"""The client of `tandem rollout` servers (RolloutClient) and the Generator over it (RemoteGenerator).
+"""The Generator over `tandem rollout` servers (RemoteGenerator), and the client's public names.
 
-The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
-async callers await the same work. Requests go to the server with the fewest in flight (data-parallel
-rollout); connection errors are retried with backoff within the request's deadline, then raised as
-one clear error; nothing waits forever.
+Invariant: the generate calls made in one tick of the caller's event loop reach RolloutClient in one
+submit_many, so they leave in one request per server and the servers' engines step them together,
+as the in-process engine would.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import dataclasses
-import itertools
-import logging
-import os
-import socket
-import threading
-import time
-from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlparse
-
-import httpx
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote_client import RolloutClient, ServerError
 from tandemrl.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from tandemrl.weights.base import DistributedSyncConfig
-    from tandemrl.weights.distributed import WeightSender
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-BACKOFF_S = 0.25
-
-
-class ServerError(RuntimeError):
-    """A rollout server answered with an error status (the message is the server's)."""
-
-    def __init__(self, url: str, status: int, detail: str):
-        super().__init__(f"rollout server {url} answered {status}: {detail}")
-        self.status = status
-
-
-class RolloutClient:
-    def __init__(self, config: RemoteConfig):
-        if not config.urls:
-            raise ValueError("no rollout server given; pass --rollout_server_urls http://HOST:PORT [...]")
-        self.config = config
-        self.urls = [u.rstrip("/") for u in config.urls]
-        api_key = config.api_key or os.environ.get("TANDEM_API_KEY")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._in_flight = dict.fromkeys(self.urls, 0)
-        self._down_until = dict.fromkeys(self.urls, 0.0)
-        self._turn = itertools.count()
-        self._ready = False
-        self._sender: WeightSender | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
-        self._thread.start()
-        self._http: httpx.AsyncClient = self._run(self._open()).result()
-
-    async def _open(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        return httpx.AsyncClient(headers=self._headers, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, pool=None))
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    # --- public API -------------------------------------------------------------------------
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future[Completion]:
-        """Starts one completion on the least-loaded server; returns at once. Cancelling aborts it."""
-        return self._run(self._generate(prompt_ids, params))
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        return self.submit(prompt_ids, params).result()
-
-    def wait_ready(self) -> None:
-        """Blocks until every server answers /ready, or raises one clear error after rollout_server_timeout."""
-        self._run(self._ensure_ready()).result()
-
-    def readiness(self) -> list[dict[str, Any]]:
-        """Each server's /ready answer (model, policy_version, queue depth, update in progress)."""
-        return self._run(self._readiness()).result()
-
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
-        """Pushes every tensor to every server over the weight-sync group; `version` is live on return."""
-        self._run(self._update_weights(weights, version, sync)).result()
-
-    async def update_weights_async(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
-        await asyncio.wrap_future(self._run(self._update_weights(weights, version, sync)))
-
-    def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
-        """POSTs `body` to `path` on every server (e.g. /sleep, /wake); their JSON answers."""
-        return self._run(self._post_all(path, body or {})).result()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self._http.aclose()).result()
-        if self._sender is not None:
-            self._sender.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-    # --- generation -------------------------------------------------------------------------
-
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        await self._ensure_ready()
-        body = {"prompt_ids": prompt_ids, **dataclasses.asdict(params), "n": 1, "is_async": False}
-        result = (await self._request("/generate", body))["results"][0]
-        return Completion(
-            token_ids=result["token_ids"],
-            logprobs=result["logprobs"],
-            finish_reason=result["finish_reason"],
-            policy_versions=result["policy_versions"],
-        )
-
-    async def _request(self, path: str, body: dict[str, Any]) -> Any:
-        """POSTs to the least-loaded server; retries connection errors and 503 with backoff, within
-        request_timeout_s and max_retries; raises ConnectionError, TimeoutError or ServerError."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        for attempt in itertools.count():
-            url = self._pick()
-            self._in_flight[url] += 1
-            try:
-                response = await self._http.post(url + path, json=body, timeout=max(0.1, deadline - time.monotonic()))
-            except httpx.TimeoutException:
-                raise TimeoutError(f"rollout server {url} gave no answer within request_timeout_s={self.config.request_timeout_s}") from None
-            except httpx.TransportError as error:
-                self._down_until[url] = time.monotonic() + BACKOFF_S * 2**attempt
-                problem = f"cannot reach rollout server {url}: {error!r}"
-            else:
-                if response.status_code != 503:
-                    return _json_or_raise(url, response)
-                problem = f"rollout server {url} is busy: {response.text}"
-            finally:
-                self._in_flight[url] -= 1
-            pause = BACKOFF_S * 2**attempt
-            if attempt >= self.config.max_retries or time.monotonic() + pause > deadline:
-                raise ConnectionError(f"{problem} (gave up after {attempt + 1} tries)")
-            log.warning("%s; retrying in %.2f s", problem, pause)
-            await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
-
-    def _pick(self) -> str:
-        """The server with the fewest requests in flight, skipping ones that just failed; ties rotate."""
-        now, turn = time.monotonic(), next(self._turn)
-        n = len(self.urls)
-        return min(self.urls, key=lambda u: (self._down_until[u] > now, self._in_flight[u], (self.urls.index(u) - turn) % n))
-
-    # --- readiness --------------------------------------------------------------------------
-
-    async def _ensure_ready(self) -> None:
-        if self._ready:
-            return
-        deadline = time.monotonic() + self.config.rollout_server_timeout
-        waiting, last_error = list(self.urls), ""
-        while waiting:
-            for url in list(waiting):
-                try:
-                    response = await self._http.get(url + "/ready", timeout=5.0)
-                    if response.status_code == 200:
-                        waiting.remove(url)
-                        continue
-                    last_error = f"{url} answered {response.status_code}: {response.text[:200]}"
-                    if response.status_code == 401:
-                        raise ServerError(url, 401, "wrong or missing API key; pass --api_key or set TANDEM_API_KEY")
-                except httpx.TransportError as error:
-                    last_error = f"{url}: {error!r}"
-            if waiting and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"rollout server(s) {', '.join(waiting)} not ready after {self.config.rollout_server_timeout:.0f} s "
-                    f"(last: {last_error}); start them with `tandem rollout --model ...` or raise --rollout_server_timeout"
-                )
-            if waiting:
-                await asyncio.sleep(0.5)
-        self._ready = True
-
-    async def _readiness(self) -> list[dict[str, Any]]:
-        async def one(url: str) -> dict[str, Any]:
-            try:
-                return _json_or_raise(url, await self._http.get(url + "/ready", timeout=10.0))
-            except httpx.TransportError as error:
-                raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
-
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
-
-    async def _post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
-        async def one(url: str) -> Any:
-            return _json_or_raise(url, await self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s))
-
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
-
-    # --- weight sync ------------------------------------------------------------------------
-
-    async def _update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig | None) -> None:
-        from tandemrl.weights.base import DistributedSyncConfig
-        from tandemrl.weights.distributed import WeightSender
-
-        sync = sync or (self._sender.config if self._sender else DistributedSyncConfig())
-        if self._sender is None or self._sender.config != sync:
-            self._sender = WeightSender(sync)
-        stream = iter(weights)
-        first = next(stream, None)
-        if first is None:
-            raise ValueError("update_weights got no tensors")
-        try:
-            await self._ensure_ready()
-            infos = await self._readiness()
-            if self._sender.group_id is None or any(i["weight_group"] != self._sender.group_id for i in infos):
-                await self._form_group(first[1], infos, sync)
-            await self._push(itertools.chain([first], stream), version, sync)
-        except Exception as error:
-            self._sender.close_group()
-            raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
-
-    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig) -> None:
-        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
-        assert self._sender is not None
-        body = {"version": version, "mode": sync.update_mode, "group_id": self._sender.group_id}
-        updates = asyncio.ensure_future(self._post_all("/weights/update", body, sync.weight_sync_timeout_s + self.config.request_timeout_s))
-        try:
-            await asyncio.to_thread(self._sender.send, weights)
-            await updates
-        finally:
-            updates.cancel()
-
-    async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]], sync: DistributedSyncConfig) -> None:
-        """(Re)forms the group with every server: after start, a failure, or a server restart."""
-        from tandemrl.weights import ipc
-
-        assert self._sender is not None
-        transport = sync.weight_sync_backend
-        if transport == "auto":
-            uuid = ipc.device_uuid(sample.device)
-            transport = "gloo" if uuid is None else "ipc" if all(i["device_uuid"] == uuid for i in infos) else "nccl"
-        master_addr = sync.weight_sync_host or _local_address_to(self.urls[0])
-        specs = self._sender.plan(num_servers=len(self.urls), transport=transport, master_addr=master_addr)
-
-        async def join(url: str, spec: dict[str, Any]) -> None:
-            _json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=sync.weight_sync_timeout_s + 10))
-
-        joins = asyncio.gather(*(join(u, s) for u, s in zip(self.urls, specs)))
-        try:
-            await asyncio.to_thread(self._sender.connect, sample.device)
-            await joins
-        except Exception as error:
-            joins.cancel()
-            raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
-        log.info("weight-sync group %s formed with %d server(s) over %s", self._sender.group_id, len(self.urls), transport)
+__all__ = ["RemoteGenerator", "RolloutClient", "ServerError"]
 
 
 class RemoteGenerator:
@@ -264,9 +31,27 @@ class RemoteGenerator:
         self.client = RolloutClient(config)
         self.sync = sync  # how update_weights reaches the servers (None: the defaults, or the last used)
         self.version = 0
+        self._this_tick: dict[asyncio.AbstractEventLoop, list[tuple[list[int], SamplingParams, asyncio.Future]]] = {}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        return await asyncio.wrap_future(self.client.submit(prompt_ids, params))
+        loop = asyncio.get_running_loop()
+        handed = loop.create_future()  # set to the client's future when this tick is handed over
+        calls = self._this_tick.setdefault(loop, [])
+        calls.append((prompt_ids, params, handed))
+        if len(calls) == 1:
+            loop.call_soon(self._hand_over, loop)
+        return await asyncio.wrap_future(await handed)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        calls = [c for c in self._this_tick.pop(loop) if not c[2].cancelled()]
+        try:
+            futures = self.client.submit_many([(prompt_ids, params) for prompt_ids, params, _ in calls])
+        except RuntimeError as error:  # the client's loop is closed
+            for _, _, handed in calls:
+                handed.set_exception(error)
+            return
+        for (_, _, handed), future in zip(calls, futures):
+            handed.set_result(future)
 
     async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
         await self.client.update_weights_async(weights, version=version, sync=self.sync)
@@ -280,23 +65,3 @@ class RemoteGenerator:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)
-
-
-def _json_or_raise(url: str, response: httpx.Response) -> Any:
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        raise ServerError(url, response.status_code, str(detail)[:500])
-    return response.json()
-
-
-def _local_address_to(url: str) -> str:
-    """The local address that routes to `url`'s host (what a server uses to reach this trainer)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
-        return probe.getsockname()[0]

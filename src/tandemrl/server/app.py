@@ -1,4 +1,4 @@
-"""The rollout server's HTTP skin (FastAPI): native generate/collect/abort, OpenAI routes, health,
+"""The rollout server's HTTP skin (FastAPI): native generate/collect/abort, batches, OpenAI routes, health,
 readiness, Prometheus metrics, sleep/wake and weight-sync routes, over a RolloutService.
 
 Invariants: with an API key every route (docs and weight routes included) needs `Authorization:
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tandemrl.server import openai
+from tandemrl.server import batch, openai
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
 from tandemrl.server.wire import (
@@ -101,11 +101,14 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
             r.text = prompter.decode(r.token_ids)
         return CollectResponse(results=results, pending=pending)
 
-    @app.post("/abort", summary="Abort requests by id; their results finish with reason abort")
+    @app.post("/abort", summary="Abort requests by id; their results finish with reason abort. 404 when none is known")
     async def abort(body: AbortRequest) -> dict[str, list[str]]:
-        _check_known(service, body.request_ids)
-        service.abort(body.request_ids)
-        return {"aborted": body.request_ids}
+        unknown = service.known(body.request_ids)
+        known = [i for i in body.request_ids if i not in unknown]
+        if not known:
+            _check_known(service, body.request_ids)  # raises 404
+        service.abort(known)  # the others may have just finished: not an error when some are known
+        return {"aborted": known, "unknown": unknown}
 
     @app.post("/sleep", summary="Finish running requests, then free the KV cache (1) and weights (2)")
     async def sleep(body: SleepRequest) -> dict[str, bool]:
@@ -136,6 +139,7 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
         return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)
 
+    batch.add_routes(app, service, prompter)
     openai.add_routes(app, service, prompter)
     return app
 

@@ -9,66 +9,20 @@ sync keeps the previous version and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.generation.base import Generator
+from tandemrl.server.gate import Busy, Gate
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.types import Completion, SamplingParams
 from tandemrl.weights.distributed import WeightReceiver
 
 log = logging.getLogger(__name__)
-
-
-class Busy(Exception):
-    """Too many requests pending: answered 503, the client retries later."""
-
-
-class Gate:
-    """Admission to the generator. Closed by each holder of `close()`; open when none holds it."""
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_queued = 0
-        self._closers = 0
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        self.num_queued += 1
-        try:
-            while not self._open.is_set():  # re-checked: a closer may have come between set() and wake-up
-                await self._open.wait()
-        finally:
-            self.num_queued -= 1
-        self.num_running += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.num_running -= 1
-            if self.num_running == 0:
-                self._idle.set()
-
-    async def close(self) -> None:
-        """Stops admitting and waits until nothing runs."""
-        self._closers += 1
-        self._open.clear()
-        await self._idle.wait()
-
-    def reopen(self) -> None:
-        self._closers -= 1
-        if self._closers == 0:
-            self._open.set()
 
 
 @dataclass
@@ -106,8 +60,15 @@ class RolloutService:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """One completion through the gate. Cancelling it aborts the generation (the engine frees it)."""
-        if self.gate.num_queued + self.gate.num_running >= self.max_pending_requests:
-            raise Busy(f"{self.max_pending_requests} requests pending; retry later")
+        self.check_capacity(1)
+        return await self._generate(prompt_ids, params)
+
+    def check_capacity(self, num_requests: int) -> None:
+        """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests."""
+        if self.gate.num_queued + self.gate.num_running + num_requests > self.max_pending_requests:
+            raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         try:
             async with self.gate.admit():
                 completion = await self.generator.generate(prompt_ids, params)
@@ -121,6 +82,26 @@ class RolloutService:
         self.counters.prompt_tokens += len(prompt_ids)
         self.counters.generated_tokens += len(completion.token_ids)
         return completion
+
+    def start_batch(self, items: list[tuple[str, list[int], SamplingParams]]) -> dict[str, asyncio.Task]:
+        """Starts every (request id, prompt ids, params) in this tick, or none (Busy), so the generator
+        batches them together. An id that already runs here is aborted first: a retried item never
+        runs twice on this server. The ids stay abortable until `forget`."""
+        self.check_capacity(len(items))
+        tasks = {}
+        for request_id, prompt_ids, params in items:
+            if request_id in self._entries:
+                self._entries[request_id].task.cancel()
+            tasks[request_id] = asyncio.create_task(self._generate(prompt_ids, params))
+            self._entries[request_id] = _Entry(tasks[request_id])
+        return tasks
+
+    def forget(self, tasks: dict[str, asyncio.Task]) -> None:
+        """Drops the ids of a finished batch, unless a later batch took them over."""
+        for request_id, task in tasks.items():
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.task is task:
+                del self._entries[request_id]
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[str]:
         """Starts `n` samples; returns their request ids at once."""

@@ -15,6 +15,7 @@ from tandemrl.types import SamplingParams
 # Below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line).
 GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1
+MAX_BATCH_ITEMS = 1024  # one POST /generate_batch; the client splits larger ticks
 
 
 class Sampling(BaseModel):
@@ -68,21 +69,44 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class GenerateRequest(Sampling):
-    """One prompt (token ids, text, or chat messages), `n` samples. `is_async`: answer ids at once."""
+class Prompted(Sampling):
+    """One prompt (token ids, text, or chat messages) and its sampling parameters."""
 
     prompt_ids: list[int] | None = Field(None, description="Prompt token ids (used as is).")
     prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the chat template is applied).")
-    n: int = Field(1, ge=1, le=256, description="Samples of this prompt; one request id each.")
-    is_async: bool = Field(False, description="True: answer request ids at once; collect the results later.")
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateRequest:
+    def _one_prompt(self) -> Prompted:
         given = [k for k in ("prompt_ids", "prompt", "messages") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt_ids, prompt or messages (got {given or 'none'})")
         return self
+
+
+class GenerateRequest(Prompted):
+    """One prompt, `n` samples. `is_async`: answer ids at once."""
+
+    n: int = Field(1, ge=1, le=256, description="Samples of this prompt; one request id each.")
+    is_async: bool = Field(False, description="True: answer request ids at once; collect the results later.")
+
+
+class BatchItem(Prompted):
+    """One sample of a batch, under the client's id (what /abort takes)."""
+
+    request_id: str = Field(min_length=1, max_length=64, description="The client's id; an item whose id already runs here supersedes it.")
+
+
+class GenerateBatchRequest(BaseModel):
+    """Many samples started in one tick, so the engine batches them as if submitted in-process.
+
+    A batch that breaks the schema is one 422 naming the item (`loc: [body, items, 3, top_p]`); an item
+    the schema accepts but this model cannot serve (vocabulary, length) fails alone, in its own line.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
 
 
 class Result(BaseModel):
@@ -95,6 +119,13 @@ class Result(BaseModel):
     finish_reason: Literal["stop", "length", "abort", "error"] = "abort"
     text: str = ""
     error: str | None = None
+
+
+class BatchResult(Result):
+    """One line of /generate_batch's answer: 200 a finished sample (abort included), 400 an item this
+    model cannot serve, 500 a generation that failed."""
+
+    status: int = 200
 
 
 class GenerateResponse(BaseModel):

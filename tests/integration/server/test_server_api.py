@@ -3,6 +3,9 @@ abort by id, bad input as 4xx that disturbs nobody, readiness, metrics, sleep/wa
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -93,3 +96,40 @@ def test_seeded_n_samples_differ_and_repeat(server, backend):
     assert first == again and len({tuple(t) for t in first}) == 4
     one = server.post("/generate", {**body, "n": 1, "seed": 12}).json()["results"][0]["token_ids"]
     assert one == first[1]  # sample i of a seeded request draws with seed + i
+
+
+def _batch_lines(server, items: list[dict]) -> list[dict]:
+    import json
+
+    answer = server.post("/generate_batch", {"items": items})
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("application/x-ndjson"), answer.text
+    return [json.loads(line) for line in answer.content.split(b"\n") if line]
+
+
+def test_batch_answers_every_item_and_a_bad_item_fails_alone(server):
+    items = [{"request_id": f"b{i}", "prompt": "batch", **GREEDY} for i in range(4)]
+    items.append({"request_id": "bad", "prompt_ids": [1, 10**6], **GREEDY})
+    lines = {r["request_id"]: r for r in _batch_lines(server, items)}
+    assert set(lines) == {"b0", "b1", "b2", "b3", "bad"}
+    assert lines["bad"]["status"] == 400 and "outside the vocabulary" in lines["bad"]["error"]
+    assert len({tuple(lines[f"b{i}"]["token_ids"]) for i in range(4)}) == 1 and lines["b0"]["finish_reason"] == "length"
+    schema_error = server.post("/generate_batch", {"items": [items[0], {**items[1], "top_p": 0}]})
+    assert schema_error.status_code == 422 and '"items",1,"top_p"' in schema_error.text.replace(" ", "")
+
+
+def test_batch_item_is_abortable_by_id_and_a_hang_up_aborts_the_batch(server):
+    import threading
+
+    long = {"prompt": "x", "max_tokens": 120, "ignore_eos": True}
+    aborter = threading.Timer(0.5, lambda: server.post("/abort", {"request_ids": ["gone", "never-issued"]}))
+    aborter.start()
+    lines = {r["request_id"]: r for r in _batch_lines(server, [{"request_id": "gone", **long}, {"request_id": "kept", "prompt": "k", **GREEDY}])}
+    aborter.join()
+    assert lines["gone"]["finish_reason"] in ("abort", "length") and lines["kept"]["finish_reason"] == "length"
+    with httpx.stream("POST", server.url + "/generate_batch", json={"items": [{"request_id": "hung", **long}]}, timeout=30):
+        pass  # hangs up before any line
+    for _ in range(100):
+        if 'tandem_requests_running 0' in server.get("/metrics").text:
+            break
+        time.sleep(0.1)
+    assert server.post("/abort", {"request_ids": ["hung"]}).status_code == 404  # forgotten once aborted

@@ -18,7 +18,7 @@ def test_no_fuzzed_request_is_a_server_error_and_the_server_stays_healthy(server
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json").exclude(path_regex=r"^/(sleep|wake|weights)")
     failures: list[str] = []
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /generate", "POST /collect", "POST /abort", "POST /v1/chat/completions"}
+    assert {op.label for op in operations} >= {"POST /generate", "POST /generate_batch", "POST /collect", "POST /abort", "POST /v1/chat/completions"}
     for operation in operations:
 
         @given(case=operation.as_strategy())

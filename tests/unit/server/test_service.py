@@ -137,3 +137,38 @@ def test_async_results_are_collected_once_and_aborts_finish_with_abort():
         assert service.known([done_id, abort_id]) == [done_id, abort_id]  # collected: forgotten
 
     asyncio.run(scenario())
+
+
+def test_a_batch_starts_whole_or_not_at_all():
+    async def scenario():
+        gen, service = make([], max_pending=3)
+        with pytest.raises(Busy):
+            service.start_batch([(f"id{i}", [i], PARAMS) for i in range(4)])
+        assert service.gate.num_running == 0 and service.known(["id0"]) == ["id0"]  # nothing started
+        tasks = service.start_batch([(f"id{i}", [i], PARAMS) for i in range(3)])
+        await until(lambda: len(gen.release) == 3)
+        for event in gen.release.values():
+            event.set()
+        await asyncio.gather(*tasks.values())
+        service.forget(tasks)
+        assert service.known(list(tasks)) == list(tasks)
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_batch_item_supersedes_its_earlier_run():
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log)
+        first = service.start_batch([("same", [1], PARAMS)])
+        await until(lambda: "start r1" in log)
+        retried = service.start_batch([("same", [2], PARAMS)])
+        await until(lambda: "start r2" in log)
+        assert first["same"].cancelled() or first["same"].cancelling()
+        service.forget(first)  # the earlier batch ends: it must not drop the retried run's id
+        assert service.known(["same"]) == []
+        gen.release["r2"].set()
+        await retried["same"]
+        assert log == ["start r1", "start r2", "end r2"]  # r1 never ran to its end
+
+    asyncio.run(scenario())

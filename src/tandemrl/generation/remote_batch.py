@@ -1,0 +1,202 @@
+"""The generate path of RolloutClient: the calls of one event-loop tick leave as one POST
+/generate_batch per server (split by fewest in flight), so a server's engine steps them together as
+the in-process engine would; results come back as NDJSON lines, each resolving its call at once.
+
+Invariants: each call resolves once; a retry (connection error, 503, a cut answer) resends only the
+unresolved items under their ids, so a server aborts a superseded run instead of running it twice;
+a cancelled call is aborted on its server; nothing waits past request_timeout_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.types import Completion
+
+log = logging.getLogger(__name__)
+BACKOFF_S = 0.25
+MAX_BATCH_ITEMS = 1024  # the server's limit per request (server/wire.py)
+MAX_ABORT_IDS = 4096
+
+
+class ServerError(RuntimeError):
+    """A rollout server answered with an error status (the message is the server's)."""
+
+    def __init__(self, url: str, status: int, detail: str):
+        super().__init__(f"rollout server {url} answered {status}: {detail}")
+        self.status = status
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One generate call: its wire item (request_id included), its future, the server it is on."""
+
+    item: dict[str, Any]
+    future: asyncio.Future[Completion]
+    url: str = ""
+
+
+class Batcher:
+    def __init__(self, http: httpx.AsyncClient, urls: list[str], config: RemoteConfig):
+        self._http, self.urls, self.config = http, urls, config
+        self._in_flight = dict.fromkeys(urls, 0)
+        self._down_until = dict.fromkeys(urls, 0.0)
+        self._turn = itertools.count()
+        self._this_tick: list[Call] = []
+        self._aborts: dict[str, list[str]] = {}
+        self._tasks: set[asyncio.Task] = set()  # strong references to the sends in flight
+
+    def add(self, item: dict[str, Any]) -> asyncio.Future[Completion]:
+        """Queues one call for this tick's batch; cancelling the future aborts it on its server."""
+        loop = asyncio.get_running_loop()
+        call = Call(item, loop.create_future())
+        call.future.add_done_callback(lambda _: self._settled(call))
+        self._this_tick.append(call)
+        if len(self._this_tick) == 1:
+            loop.call_soon(self._flush)
+        return call.future
+
+    def _flush(self) -> None:
+        calls, self._this_tick = [c for c in self._this_tick if not c.future.done()], []
+        by_url: dict[str, list[Call]] = {}
+        for call in calls:
+            call.url = self._pick()
+            self._in_flight[call.url] += 1
+            by_url.setdefault(call.url, []).append(call)
+        for group in by_url.values():
+            for start in range(0, len(group), MAX_BATCH_ITEMS):
+                self._spawn(self._send(group[start : start + MAX_BATCH_ITEMS]))
+
+    def _pick(self) -> str:
+        """The server with the fewest calls in flight, skipping ones that just failed; ties rotate."""
+        now, turn = time.monotonic(), next(self._turn)
+        n = len(self.urls)
+        return min(self.urls, key=lambda u: (self._down_until[u] > now, self._in_flight[u], (self.urls.index(u) - turn) % n))
+
+    def _settled(self, call: Call) -> None:
+        if not call.url:
+            return
+        self._in_flight[call.url] -= 1
+        if call.future.cancelled():
+            self._aborts.setdefault(call.url, []).append(call.item["request_id"])
+            if sum(map(len, self._aborts.values())) == 1:
+                asyncio.get_running_loop().call_soon(self._flush_aborts)
+
+    def _flush_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for url, ids in aborts.items():
+            for start in range(0, len(ids), MAX_ABORT_IDS):
+                self._spawn(self._abort(url, ids[start : start + MAX_ABORT_IDS]))
+
+    async def _abort(self, url: str, request_ids: list[str]) -> None:
+        try:  # best effort: an id that already finished is not an error, a server that went away aborted it
+            await self._http.post(url + "/abort", json={"request_ids": request_ids}, timeout=10.0)
+        except httpx.TransportError as error:
+            log.debug("abort of %d requests on %s failed: %r", len(request_ids), url, error)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, calls: list[Call]) -> None:
+        """Streams `calls` from their server; after a connection error, 503 or a cut answer, resends the
+        unresolved ones to the least-loaded server with backoff, within request_timeout_s and max_retries."""
+        try:
+            await self._send_with_retries(calls)
+        finally:  # a garbled answer or a bug fails the calls left, rather than leave them waiting forever
+            _fail(calls, RuntimeError("the rollout server's answer could not be read (see the log)"))
+
+    async def _send_with_retries(self, calls: list[Call]) -> None:
+        deadline = time.monotonic() + self.config.request_timeout_s
+        for attempt in itertools.count():
+            live = [c for c in calls if not c.future.done()]
+            if not live:
+                return
+            url = live[0].url
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    problem = await self._stream(url, live, deadline)
+            except (TimeoutError, httpx.TimeoutException):
+                return _fail(live, TimeoutError(f"rollout server {url} gave no answer within request_timeout_s={self.config.request_timeout_s}"))
+            except httpx.TransportError as error:
+                self._down_until[url] = time.monotonic() + BACKOFF_S * 2**attempt
+                problem = f"cannot reach rollout server {url}: {error!r}"
+            except ServerError as error:
+                return _fail(live, error)
+            if problem is None:
+                return
+            pause = BACKOFF_S * 2**attempt
+            if attempt >= self.config.max_retries or time.monotonic() + pause > deadline:
+                return _fail(live, ConnectionError(f"{problem} (gave up after {attempt + 1} tries)"))
+            log.warning("%s; retrying in %.2f s", problem, pause)
+            await asyncio.sleep(pause)
+            self._move(live, self._pick())
+
+    async def _stream(self, url: str, calls: list[Call], deadline: float) -> str | None:
+        """One POST /generate_batch; resolves each call as its line arrives. Returns the problem to
+        retry (503, an answer that ended early), or None when every call got its line."""
+        by_id = {c.item["request_id"]: c for c in calls}
+        body = {"items": [c.item for c in calls]}
+        async with self._http.stream("POST", url + "/generate_batch", json=body, timeout=max(0.1, deadline - time.monotonic())) as response:
+            if response.status_code != 200:
+                await response.aread()
+                if response.status_code == 503:
+                    return f"rollout server {url} is busy: {response.text[:200]}"
+                json_or_raise(url, response)
+            async for result in _ndjson(response):
+                call = by_id.pop(result["request_id"], None)
+                if call is not None and not call.future.done():
+                    _resolve(call.future, url, result)
+        return f"the answer of rollout server {url} ended with {len(by_id)} of {len(calls)} results missing" if by_id else None
+
+    def _move(self, calls: list[Call], url: str) -> None:
+        for call in calls:
+            if not call.future.done():
+                self._in_flight[call.url] -= 1
+                call.url = url
+                self._in_flight[url] += 1
+
+
+async def _ndjson(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON lines of a streamed answer, split on b"\\n" only: aiter_lines would also split on the
+    U+2028 or U+0085 that a sampled text may hold (JSON leaves them unescaped)."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line:
+                yield json.loads(line)
+
+
+def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any]) -> None:
+    if result.get("status", 200) >= 400:
+        future.set_exception(ServerError(url, result["status"], result.get("error") or ""))
+        return
+    future.set_result(Completion(token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"]))
+
+
+def _fail(calls: list[Call], error: Exception) -> None:
+    for call in calls:
+        if not call.future.done():
+            call.future.set_exception(error)
+
+
+def json_or_raise(url: str, response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise ServerError(url, response.status_code, str(detail)[:500])
+    return response.json()

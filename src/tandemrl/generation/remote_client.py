@@ -1,0 +1,270 @@
+"""The client of `tandem rollout` servers (RolloutClient): generation, readiness, admin and weight sync.
+
+The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
+async callers await the same work. The calls submitted together leave together (remote_batch.py: one
+request per server, split by fewest in flight); connection errors are retried with backoff within the
+deadline, then raised as one clear error; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
+
+import httpx
+
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote_batch import Batcher, ServerError, json_or_raise
+from tandemrl.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from tandemrl.weights.base import DistributedSyncConfig
+    from tandemrl.weights.distributed import WeightSender
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+__all__ = ["RolloutClient", "ServerError"]
+
+
+class RolloutClient:
+    def __init__(self, config: RemoteConfig, *, transport: httpx.AsyncBaseTransport | None = None):
+        """`transport`: httpx's, for tests (default: the network)."""
+        if not config.urls:
+            raise ValueError("no rollout server given; pass --rollout_server_urls http://HOST:PORT [...]")
+        self.config = config
+        self.urls = [u.rstrip("/") for u in config.urls]
+        api_key = config.api_key or os.environ.get("TANDEM_API_KEY")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ready = False
+        self._waiting: asyncio.Future[None] | None = None  # the one readiness wait all calls share
+        self._sender: WeightSender | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+        self._http: httpx.AsyncClient = self._run(self._open(transport)).result()
+        self._batcher = Batcher(self._http, self.urls, config)
+
+    async def _open(self, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        timeout = httpx.Timeout(self.config.request_timeout_s, pool=None)
+        return httpx.AsyncClient(headers=self._headers, limits=limits, timeout=timeout, transport=transport)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # --- public API -------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future[Completion]:
+        """Starts one completion on the least-loaded server; returns at once. Cancelling it aborts it."""
+        return self.submit_many([(prompt_ids, params)])[0]
+
+    def submit_many(self, calls: Sequence[tuple[list[int], SamplingParams]]) -> list[concurrent.futures.Future[Completion]]:
+        """Starts completions that leave together (one request per server, so each engine steps them
+        together); returns at once. Cancelling one aborts it alone."""
+        futures: list[concurrent.futures.Future[Completion]] = [concurrent.futures.Future() for _ in calls]
+        self._loop.call_soon_threadsafe(self._start, list(calls), futures)  # one callback: one tick
+        return futures
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        return self.submit(prompt_ids, params).result()
+
+    def wait_ready(self) -> None:
+        """Blocks until every server answers /ready, or raises one clear error after rollout_server_timeout."""
+        self._run(self._ensure_ready()).result()
+
+    def readiness(self) -> list[dict[str, Any]]:
+        """Each server's /ready answer (model, policy_version, queue depth, update in progress)."""
+        return self._run(self._readiness()).result()
+
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
+        """Pushes every tensor to every server over the weight-sync group; `version` is live on return."""
+        self._run(self._update_weights(weights, version, sync)).result()
+
+    async def update_weights_async(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
+        await asyncio.wrap_future(self._run(self._update_weights(weights, version, sync)))
+
+    def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
+        """POSTs `body` to `path` on every server (e.g. /sleep, /wake); their JSON answers."""
+        return self._run(self._post_all(path, body or {})).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._http.aclose()).result()
+        if self._sender is not None:
+            self._sender.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    # --- generation -------------------------------------------------------------------------
+
+    def _start(self, calls: list[tuple[list[int], SamplingParams]], futures: list[concurrent.futures.Future[Completion]]) -> None:
+        for (prompt_ids, params), future in zip(calls, futures):
+            if not future.cancelled():
+                _chain(self._loop.create_task(self._generate(prompt_ids, params)), future)
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        item = _wire_item(prompt_ids, params)
+        await self._ensure_ready()
+        return await self._batcher.add(item)
+
+    # --- readiness --------------------------------------------------------------------------
+
+    async def _ensure_ready(self) -> None:
+        """One shared wait: the calls that wait for it resume in one tick (and so leave in one batch)."""
+        if self._ready:
+            return
+        if self._waiting is None or self._waiting.done():  # done here means failed: wait afresh
+            self._waiting = asyncio.ensure_future(self._wait_ready())
+        await asyncio.shield(self._waiting)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.rollout_server_timeout
+        waiting, last_error = list(self.urls), ""
+        while waiting:
+            for url in list(waiting):
+                try:
+                    response = await self._http.get(url + "/ready", timeout=5.0)
+                    if response.status_code == 200:
+                        waiting.remove(url)
+                        continue
+                    last_error = f"{url} answered {response.status_code}: {response.text[:200]}"
+                    if response.status_code == 401:
+                        raise ServerError(url, 401, "wrong or missing API key; pass --api_key or set TANDEM_API_KEY")
+                except httpx.TransportError as error:
+                    last_error = f"{url}: {error!r}"
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rollout server(s) {', '.join(waiting)} not ready after {self.config.rollout_server_timeout:.0f} s "
+                    f"(last: {last_error}); start them with `tandem rollout --model ...` or raise --rollout_server_timeout"
+                )
+            if waiting:
+                await asyncio.sleep(0.5)
+        self._ready = True
+
+    async def _readiness(self) -> list[dict[str, Any]]:
+        async def one(url: str) -> dict[str, Any]:
+            try:
+                return json_or_raise(url, await self._http.get(url + "/ready", timeout=10.0))
+            except httpx.TransportError as error:
+                raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
+
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+    async def _post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
+        async def one(url: str) -> Any:
+            return json_or_raise(url, await self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s))
+
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+    # --- weight sync ------------------------------------------------------------------------
+
+    async def _update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig | None) -> None:
+        from tandemrl.weights.base import DistributedSyncConfig
+        from tandemrl.weights.distributed import WeightSender
+
+        sync = sync or (self._sender.config if self._sender else DistributedSyncConfig())
+        if self._sender is None or self._sender.config != sync:
+            self._sender = WeightSender(sync)
+        stream = iter(weights)
+        first = next(stream, None)
+        if first is None:
+            raise ValueError("update_weights got no tensors")
+        try:
+            await self._ensure_ready()
+            infos = await self._readiness()
+            if self._sender.group_id is None or any(i["weight_group"] != self._sender.group_id for i in infos):
+                await self._form_group(first[1], infos, sync)
+            await self._push(itertools.chain([first], stream), version, sync)
+        except Exception as error:
+            self._sender.close_group()
+            raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
+
+    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig) -> None:
+        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
+        assert self._sender is not None
+        body = {"version": version, "mode": sync.update_mode, "group_id": self._sender.group_id}
+        updates = asyncio.ensure_future(self._post_all("/weights/update", body, sync.weight_sync_timeout_s + self.config.request_timeout_s))
+        try:
+            await asyncio.to_thread(self._sender.send, weights)
+            await updates
+        finally:
+            updates.cancel()
+
+    async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]], sync: DistributedSyncConfig) -> None:
+        """(Re)forms the group with every server: after start, a failure, or a server restart."""
+        from tandemrl.weights import ipc
+
+        assert self._sender is not None
+        transport = sync.weight_sync_backend
+        if transport == "auto":
+            uuid = ipc.device_uuid(sample.device)
+            transport = "gloo" if uuid is None else "ipc" if all(i["device_uuid"] == uuid for i in infos) else "nccl"
+        master_addr = sync.weight_sync_host or _local_address_to(self.urls[0])
+        specs = self._sender.plan(num_servers=len(self.urls), transport=transport, master_addr=master_addr)
+
+        async def join(url: str, spec: dict[str, Any]) -> None:
+            json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=sync.weight_sync_timeout_s + 10))
+
+        joins = asyncio.gather(*(join(u, s) for u, s in zip(self.urls, specs)))
+        try:
+            await asyncio.to_thread(self._sender.connect, sample.device)
+            await joins
+        except Exception as error:
+            joins.cancel()
+            raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
+        log.info("weight-sync group %s formed with %d server(s) over %s", self._sender.group_id, len(self.urls), transport)
+
+
+def _local_address_to(url: str) -> str:
+    """The local address that routes to `url`'s host (what a server uses to reach this trainer)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]
+
+
+def _wire_item(prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The /generate_batch item of one call, checked against the server's schema here, so that a bad
+    call fails alone instead of failing the batch it would have joined."""
+    from pydantic import ValidationError
+
+    from tandemrl.server.wire import BatchItem
+
+    item = {"prompt_ids": prompt_ids, **dataclasses.asdict(params), "request_id": uuid.uuid4().hex}
+    try:
+        BatchItem.model_validate(item)
+    except ValidationError as error:
+        raise ValueError(f"the rollout server would refuse this request: {error}") from None
+    return item
+
+
+def _chain(task: asyncio.Task[T], future: concurrent.futures.Future[T]) -> None:
+    """`task`'s outcome goes to `future`; cancelling `future` (from any thread) cancels `task`."""
+    loop = task.get_loop()
+
+    def copy(done: asyncio.Task[T]) -> None:
+        if done.cancelled():
+            future.cancel()
+        elif future.set_running_or_notify_cancel():
+            error = done.exception()
+            future.set_exception(error) if error is not None else future.set_result(done.result())
+
+    task.add_done_callback(copy)
+    future.add_done_callback(lambda f: f.cancelled() and not loop.is_closed() and loop.call_soon_threadsafe(task.cancel))

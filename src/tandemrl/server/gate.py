@@ -1,0 +1,56 @@
+"""Admission to the rollout server's generator: a gate that weight updates and sleep close, and the
+503 answer of a full queue.
+
+Invariant: nothing passes the gate while any holder keeps it closed; `close()` returns once nothing runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class Busy(Exception):
+    """Too many requests pending: answered 503, the client retries later."""
+
+
+class Gate:
+    """Admission to the generator. Closed by each holder of `close()`; open when none holds it."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_queued = 0
+        self._closers = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        self.num_queued += 1
+        try:
+            while not self._open.is_set():  # re-checked: a closer may have come between set() and wake-up
+                await self._open.wait()
+        finally:
+            self.num_queued -= 1
+        self.num_running += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_running -= 1
+            if self.num_running == 0:
+                self._idle.set()
+
+    async def close(self) -> None:
+        """Stops admitting and waits until nothing runs."""
+        self._closers += 1
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self) -> None:
+        self._closers -= 1
+        if self._closers == 0:
+            self._open.set()

@@ -1,0 +1,110 @@
+"""The client's batching against a scripted server (httpx.MockTransport): the calls of one tick leave
+as one request per server; a retry resends only the unresolved items, under their ids; a bad call
+fails alone; a garbled answer fails its calls instead of leaving them waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote import RemoteGenerator, RolloutClient, ServerError
+from tandemrl.types import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=2)
+URLS = ("http://a", "http://b")
+
+
+def line(item: dict, **over) -> bytes:
+    result = {"request_id": item["request_id"], "token_ids": [item["prompt_ids"][0]] * 2, "logprobs": [0.0] * 2,
+              "policy_versions": [0] * 2, "finish_reason": "length", "status": 200, **over}
+    return json.dumps(result).encode() + b"\n"
+
+
+class Cut(httpx.AsyncByteStream):
+    """Streams `head`, then the connection breaks."""
+
+    def __init__(self, head: bytes):
+        self.head = head
+
+    async def __aiter__(self):
+        yield self.head
+        raise httpx.ReadError("connection reset")
+
+
+def generator(handle, urls=URLS) -> tuple[RemoteGenerator, list[tuple[str, list[dict]]]]:
+    """A RemoteGenerator whose servers answer /ready and pass each /generate_batch to `handle`."""
+    posts: list[tuple[str, list[dict]]] = []
+
+    def route(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/ready":
+            return httpx.Response(200, json={"ready": True})
+        items = json.loads(request.content)["items"]
+        posts.append((request.url.host, items))
+        return handle(len(posts), items)
+
+    gen = RemoteGenerator(RemoteConfig(urls=urls, max_retries=2))
+    gen.client.close()
+    gen.client = RolloutClient(gen.config, transport=httpx.MockTransport(route))
+    return gen, posts
+
+
+def run(gen: RemoteGenerator, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list:
+    async def main():
+        return await asyncio.gather(*(gen.generate(p, params) for p in prompts), return_exceptions=True)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        asyncio.run(gen.close())
+
+
+def test_calls_of_one_tick_leave_as_one_request_per_server_split_evenly():
+    gen, posts = generator(lambda _, items: httpx.Response(200, content=b"".join(map(line, items))))
+    completions = run(gen, [[i] for i in range(10)])
+    assert [c.token_ids for c in completions] == [[i, i] for i in range(10)]
+    assert sorted((host, len(items)) for host, items in posts) == [("a", 5), ("b", 5)]
+
+
+def test_a_retry_resends_only_the_unresolved_items_under_their_ids():
+    def handle(num_post: int, items: list[dict]) -> httpx.Response:
+        if num_post == 1:  # the first item's answer arrives, then the connection breaks
+            return httpx.Response(200, stream=Cut(line(items[0])))
+        return httpx.Response(200, content=b"".join(map(line, items)))
+
+    gen, posts = generator(handle, urls=URLS[:1])
+    completions = run(gen, [[1], [2], [3]])
+    assert [c.token_ids for c in completions] == [[1, 1], [2, 2], [3, 3]]
+    (_, first), (_, retried) = posts
+    assert [i["request_id"] for i in retried] == [i["request_id"] for i in first[1:]]
+
+
+def test_a_bad_call_fails_alone():
+    refuse = lambda item: line(item, status=400, error="token ids outside the vocabulary", finish_reason="error")  # noqa: E731
+    gen, posts = generator(lambda _, items: httpx.Response(200, content=b"".join(refuse(i) if i["prompt_ids"] == [9] else line(i) for i in items)))
+    ok, bad_on_server = run(gen, [[1], [9]])
+    assert ok.token_ids == [1, 1] and isinstance(bad_on_server, ServerError) and bad_on_server.status == 400
+    gen, posts = generator(lambda _, items: httpx.Response(200, content=b"".join(map(line, items))))
+    assert isinstance(run(gen, [[1]], SamplingParams(temperature=500.0))[0], ValueError)  # the server's schema refuses it
+    assert posts == []
+
+
+def test_a_garbled_answer_fails_its_calls_instead_of_hanging():
+    gen, _ = generator(lambda _, items: httpx.Response(200, content=b'{"request_id": "x", "tok\n'))
+    (error,) = run(gen, [[1]])
+    assert isinstance(error, RuntimeError) and "could not be read" in str(error)
+
+
+def test_a_busy_server_is_retried_then_one_clear_error():
+    gen, posts = generator(lambda _, items: httpx.Response(503, json={"detail": "4096 requests pending"}), urls=URLS[:1])
+    (error,) = run(gen, [[1]])
+    assert isinstance(error, ConnectionError) and "busy" in str(error) and len(posts) == 3  # max_retries=2
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "c\x85d"])
+def test_results_split_on_newlines_only(text):
+    gen, _ = generator(lambda _, items: httpx.Response(200, content=b"".join(line(i, text=text) for i in items)))
+    assert [c.token_ids for c in run(gen, [[1], [2]])] == [[1, 1], [2, 2]]

@@ -40,10 +40,7 @@ T = TypeVar("T")
 
 
 def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0) -> FastAPI:
-    """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup).
-
-    Long on purpose: it is the route table, one short handler per route, read top to bottom.
-    """
+    """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,6 +55,16 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
     )
     app.state.service, app.state.prompter = service, prompter
     _add_guards(app, api_key)
+    _add_status_routes(app, service)
+    _add_native_routes(app, service, prompter)
+    _add_admin_routes(app, service)
+    batch.add_routes(app, service, prompter)
+    openai.add_routes(app, service, prompter)
+    return app
+
+
+def _add_status_routes(app: FastAPI, service: RolloutService) -> None:
+    """Liveness, readiness and Prometheus metrics."""
 
     @app.get("/health", summary="Liveness")
     async def health() -> dict[str, str]:
@@ -70,6 +77,10 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics() -> str:
         return service.metrics_text()
+
+
+def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> None:
+    """tandem's own API: generate (blocking or async), collect by id, abort by id."""
 
     @app.post("/generate", response_model=GenerateResponse, summary="Sample n completions of one prompt")
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -110,6 +121,10 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
         service.abort(known)  # the others may have just finished: not an error when some are known
         return {"aborted": known, "unknown": unknown}
 
+
+def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
+    """Sleep/wake and the weight-sync routes the trainer drives."""
+
     @app.post("/sleep", summary="Finish running requests, then free the KV cache (1) and weights (2)")
     async def sleep(body: SleepRequest) -> dict[str, bool]:
         await service.sleep(body.level)
@@ -138,10 +153,6 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
         except (RuntimeError, OSError) as error:
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
         return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)
-
-    batch.add_routes(app, service, prompter)
-    openai.add_routes(app, service, prompter)
-    return app
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | None:

@@ -25,7 +25,7 @@ from tandemrl.types import Completion
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.25
-MAX_BATCH_ITEMS = 1024  # the server's limit per request (server/wire.py)
+MAX_BATCH_ITEMS = 1024  # items per POST /generate_batch; the server's schema (server/wire.py) takes this
 MAX_ABORT_IDS = 4096
 
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
-from tandemrl.server.wire import GREEDY_EPS, MAX_SEED, ChatMessage, per_sample
+from tandemrl.generation.remote_client import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
+from tandemrl.server.wire import GREEDY_EPS, ChatMessage, per_sample
 from tandemrl.types import Completion, SamplingParams
 
 
@@ -29,15 +30,15 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=256)
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     top_k: int = Field(-1, ge=-1, description="tandem extension: -1 = off.")
     min_p: float = Field(0.0, ge=0, le=1, description="tandem extension.")
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64, description="tandem extension.")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="tandem extension.")
     ignore_eos: bool = Field(False, description="tandem extension.")
 
 

@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tandemrl.generation.remote_batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
+from tandemrl.generation.remote_client import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 from tandemrl.types import SamplingParams
 
 # Below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line).
 GREEDY_EPS = 1e-5
-MAX_SEED = 2**63 - 1
-MAX_BATCH_ITEMS = 1024  # one POST /generate_batch; the client splits larger ticks
 
 
 class Sampling(BaseModel):
@@ -24,12 +24,12 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(256, ge=1, description="Most tokens to sample.")
-    temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy.")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 = off; 0 is invalid.")
     min_p: float = Field(0.0, ge=0, le=1)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
 

@@ -30,14 +30,19 @@ class TrainerConfig:
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
-    dtype: str = "auto"
-    """Policy weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16."""
+    dtype: str = "float32"
+    """Policy (master) weights and optimizer state: float32, or bfloat16 (then updates below bfloat16's
+    resolution, e.g. lr 1e-6 on O(1e-2) weights, round to nothing)."""
+    bf16: bool = True
+    """On GPU, run forward and backward under bfloat16 autocast (weights stay in --dtype)."""
     device: str = "auto"
     """Training device: auto (cuda if present), cpu or cuda."""
 
     def __post_init__(self) -> None:
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.max_tokens_per_microbatch < 1:
             raise ValueError("--max_tokens_per_microbatch must be >= 1")
 

@@ -101,12 +101,13 @@ class Trainer:
         return loss, metrics
 
     def _forward(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        backbone = model.base_model
-        hidden = backbone(input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False).last_hidden_state  # [1, N, H]
-        return logprobs_and_entropy(
-            hidden[0], model.get_output_embeddings(), m.target_ids,
-            temperature=self.temperature, chunk_size=self.config.logprob_chunk_size,
-        )
+        autocast = self.config.bf16 and self.device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            hidden = model.base_model(input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False).last_hidden_state  # [1, N, H]
+            return logprobs_and_entropy(
+                hidden[0], model.get_output_embeddings(), m.target_ids,
+                temperature=self.temperature, chunk_size=self.config.logprob_chunk_size,
+            )
 
     @torch.no_grad()
     def _logprobs(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

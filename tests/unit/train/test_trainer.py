@@ -80,3 +80,16 @@ def test_truncated_completions_are_masked_when_asked():
 def test_warmup_then_cosine_schedule():
     config = TrainerConfig(warmup_steps=2, lr_scheduler_type="cosine")
     assert [round(lr_factor(s, config, 6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
+
+
+def test_master_weights_default_to_float32_because_bf16_drops_small_updates():
+    assert TrainerConfig().dtype == "float32"
+    weight = torch.full((4,), 0.02)
+    assert torch.equal((weight.bfloat16() - 1e-6).float(), weight.bfloat16().float())  # lost in bfloat16
+    assert not torch.equal(weight - 1e-6, weight)  # kept in float32
+
+
+def test_bfloat16_master_weights_are_accepted_and_other_dtypes_refused():
+    assert TrainerConfig(dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype must be float32 or bfloat16"):
+        TrainerConfig(dtype="float16")

@@ -69,6 +69,8 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     min_p: float = 0.0
     """Min-p sampling (0 = off)."""
+    gpu_memory_utilization: float = 0.4
+    """Colocate: fraction of GPU memory the engine may use for its weights and KV cache."""
     sleep_level: int = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
 

@@ -162,7 +162,9 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
     device = config.trainer.device
     if r.generator == "engine":  # sized for this run: the longest prompt plus the longest completion
         max_model_len = config.data.max_prompt_length + config.algo.max_completion_length
-        backend: EngineConfig | HFConfig = EngineConfig(device=device, seed=config.run.seed, max_model_len=max_model_len)
+        backend: EngineConfig | HFConfig = EngineConfig(
+            device=device, seed=config.run.seed, max_model_len=max_model_len, gpu_memory_utilization=r.gpu_memory_utilization
+        )
     else:
         backend = HFConfig(device=device)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)

@@ -21,7 +21,7 @@ from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
 from tandemrl.rewards.base import load_reward_funcs
-from tandemrl.tasks import get_task
+from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state
 from tandemrl.train.trainer import Trainer
@@ -40,8 +40,9 @@ def run(config: TrainConfig) -> Path:
     checkpoint = _resume_point(config, run_dir)
     torch.manual_seed(config.run.seed)
     tokenizer, model = _policy(config, checkpoint)
-    examples, prompt_ids = _data(config, tokenizer)
-    reward_funcs = _rewards(config)
+    task = _task(config)
+    examples, prompt_ids = _data(config, task, tokenizer)
+    reward_funcs = _rewards(config, task)
     trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     state = load_state(checkpoint) if checkpoint is not None else None
@@ -54,7 +55,7 @@ def run(config: TrainConfig) -> Path:
     _save_config(config, run_dir)
     parts = LoopParts(
         examples=examples, prompt_ids=prompt_ids, cursor=cursor, generator=generator, sync=sync, trainer=trainer,
-        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config), params=_sampling(config),
+        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task), params=_sampling(config),
         logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
         progress=Progress(config.run.max_steps, start_step=start_step), run_dir=run_dir,
     )
@@ -112,10 +113,17 @@ def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
     return load_tokenizer(source), load_model(source, dtype=dtype, device=device)
 
 
-def _data(config: TrainConfig, tokenizer: Any) -> tuple[list, list[list[int]]]:
-    if config.run.task:  # a task reads its own data format; --dataset points it at a local or other copy
-        options = {"data": config.data.dataset, "split": config.data.dataset_split} if config.data.dataset else {}
-        examples = get_task(config.run.task, **options).load()
+def _task(config: TrainConfig) -> Task | None:
+    """The built-in task, once; --dataset points it at a local or other copy of its data."""
+    if not config.run.task:
+        return None
+    options = {"data": config.data.dataset, "split": config.data.dataset_split} if config.data.dataset else {}
+    return get_task(config.run.task, **options)
+
+
+def _data(config: TrainConfig, task: Task | None, tokenizer: Any) -> tuple[list, list[list[int]]]:
+    if task is not None:  # a task reads its own data format
+        examples = task.load()
     elif config.data.dataset:
         examples = load_examples(config.data.dataset, split=config.data.dataset_split)
     else:
@@ -128,21 +136,20 @@ def _data(config: TrainConfig, tokenizer: Any) -> tuple[list, list[list[int]]]:
     return examples, prompt_ids
 
 
-def _rewards(config: TrainConfig) -> list:
-    names = list(config.reward.reward_funcs)
-    if not names and config.run.task:
-        names = get_task(config.run.task).reward_funcs
+def _rewards(config: TrainConfig, task: Task | None) -> list:
+    names = list(config.reward.reward_funcs) or (task.reward_funcs if task is not None else [])
     if not names:
         raise ValueError("no reward functions: pass --reward_funcs (e.g. math_accuracy format, or module:function)")
     return load_reward_funcs(names)
 
 
-def _reward_weights(config: TrainConfig) -> list[float] | None:
+def _reward_weights(config: TrainConfig, task: Task | None) -> list[float] | None:
+    """--reward_weights; else the task's weights when its reward functions are used; else 1.0 each."""
     if config.reward.reward_weights:
         return list(config.reward.reward_weights)
-    if config.reward.reward_funcs or not config.run.task:
+    if config.reward.reward_funcs or task is None:
         return None
-    return get_task(config.run.task).reward_weights
+    return task.reward_weights
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:

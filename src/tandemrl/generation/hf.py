@@ -108,7 +108,7 @@ class HFGenerator:
     def _completion(self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int) -> Completion:
         length, reason = len(ids), "length"
         for i, token_id in enumerate(ids):
-            if token_id in eos_ids or (params.stop and _ends_with_stop(self.tokenizer.decode(ids[: i + 1]), params.stop)):
+            if token_id in eos_ids or (params.stop and _contains_stop(self.tokenizer.decode(ids[: i + 1]), params.stop)):
                 length, reason = i + 1, "stop"
                 break
         return Completion(
@@ -141,5 +141,5 @@ class HFGenerator:
         pass
 
 
-def _ends_with_stop(text: str, stop: tuple[str, ...]) -> bool:
+def _contains_stop(text: str, stop: tuple[str, ...]) -> bool:
     return any(s in text for s in stop)

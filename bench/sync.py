@@ -1,6 +1,7 @@
 """Weight-sync time and GB/s into a real `tandem rollout` server, for a Qwen2.5-0.5B-shaped model
 (config written here, random weights). On a GPU the default transport is CUDA IPC (trainer and server
-on the one GPU); `--device cpu --transport gloo --shape tiny` checks the script anywhere.
+on the one GPU); `--server_gpu 1 --transport nccl` puts the server on a second GPU and measures NCCL;
+`--device cpu --transport gloo --shape tiny` checks the script anywhere.
 
 Prints one JSON line per sync and a summary line: `sync <transport>: <median s> s, <GB/s> GB/s`.
 """
@@ -39,10 +40,12 @@ def save_model(path: str, shape: dict, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(path)
 
 
-def start_server(model_dir: str, device: str, backend: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, device: str, backend: str, extra: list[str], gpu: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`tandem rollout` in a child process; `gpu` pins it to that physical GPU (default: the trainer's)."""
     args = [sys.executable, "-m", "tandemrl", "rollout", "--model", model_dir, "--device", device, "--backend", backend,
             "--port", "0", "--max_model_len", "2048", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
     for line in proc.stdout:
         match = re.search(r"on (http://\S+)", line)
         if match:
@@ -55,7 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--transport", default="auto", help="auto (ipc on one GPU), ipc, gloo, nccl")
+    parser.add_argument("--transport", default="auto", help="auto (ipc on one GPU, nccl across two), ipc, gloo, nccl")
+    parser.add_argument("--server_gpu", type=int, default=None, help="the server's physical GPU (1: NCCL from the trainer's GPU 0)")
     parser.add_argument("--bucket_mb", type=float, default=256)
     parser.add_argument("--num_syncs", type=int, default=5)
     parser.add_argument("--backend", default="engine")
@@ -72,7 +76,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as model_dir:
         save_model(model_dir, QWEN25_05B if args.shape == "0.5b" else TINY, dtype)
-        server, url = start_server(model_dir, args.device, args.backend, args.server_args.split())
+        server, url = start_server(model_dir, args.device, args.backend, args.server_args.split(), gpu=args.server_gpu)
         try:
             trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
             num_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())

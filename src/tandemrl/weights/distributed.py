@@ -14,9 +14,11 @@ uint8[payload bytes] (absent for ipc: the server maps the trainer's bucket, then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -83,6 +85,26 @@ def unpack_bucket(meta: list[dict], flat: Tensor) -> Named:
     return out
 
 
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+@contextlib.contextmanager
+def nccl_errors_raise() -> Iterator[None]:
+    """ProcessGroupNCCL objects built inside this block abort their communicator on a failed or timed-out
+    collective and raise in the waiting thread (mode 2, CleanUpOnly), instead of taking the whole process
+    down from the watchdog thread (torch's default, 3): a dead trainer must not kill a rollout server, nor a
+    dead server its trainer. The mode is read when the group is built, so only our groups are affected."""
+    previous = os.environ.get(ASYNC_ERROR_HANDLING)
+    os.environ[ASYNC_ERROR_HANDLING] = "2"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ASYNC_ERROR_HANDLING, None)
+        else:
+            os.environ[ASYNC_ERROR_HANDLING] = previous
+
+
 class _Group:
     """One process group whose every collective waits at most `timeout_s`."""
 
@@ -93,14 +115,28 @@ class _Group:
         if transport == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            with nccl_errors_raise():
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
 
     def broadcast(self, tensor: Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.pg.broadcast([tensor], options).wait(self.timeout)
+        try:
+            self.pg.broadcast([tensor], options).wait(self.timeout)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Frees an NCCL communicator stuck on a dead peer (a broken group is never reused)."""
+        abort = getattr(self.pg, "abort", None) if self.transport == "nccl" else None
+        if abort is not None:
+            try:
+                abort()
+            except Exception as error:  # noqa: BLE001 - the collective's own error is the one to raise
+                log.warning("aborting the weight-sync NCCL group failed: %s", error)
 
     def barrier(self) -> None:
         self.pg.barrier(dist.BarrierOptions()).wait(self.timeout)

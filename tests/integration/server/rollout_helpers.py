@@ -67,10 +67,12 @@ class Server:
         return "\n".join(self.log)
 
 
-def start_server(model_dir: str, *extra: str, backend: str = "hf", port: int = 0, timeout_s: float = 120) -> Server:
-    args = [sys.executable, "-m", "tandemrl", "rollout", "--model", model_dir, "--backend", backend, "--device", "cpu",
+def start_server(
+    model_dir: str, *extra: str, backend: str = "hf", port: int = 0, timeout_s: float = 120, device: str = "cpu", env: dict[str, str] | None = None
+) -> Server:
+    args = [sys.executable, "-m", "tandemrl", "rollout", "--model", model_dir, "--backend", backend, "--device", device,
             "--port", str(port), "--max_model_len", "128", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     env.pop("TANDEM_API_KEY", None)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     server = Server(proc=proc, url="", args=args)
@@ -113,5 +115,5 @@ def local_greedy(model, tokenizer, prompt_ids: list[int]) -> list[int]:
     return asyncio.run(gen.generate(prompt_ids, GREEDY)).token_ids
 
 
-def sync(mode: str = "drain") -> DistributedSyncConfig:
-    return DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30, weight_sync_bucket_mb=0.1, update_mode=mode)
+def sync(mode: str = "drain", backend: str = "auto") -> DistributedSyncConfig:
+    return DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30, weight_sync_bucket_mb=0.1, update_mode=mode, weight_sync_backend=backend)

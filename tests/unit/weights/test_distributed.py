@@ -4,6 +4,7 @@ whole update; a sender that dies mid-update makes the receiver raise with nothin
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -85,3 +86,35 @@ def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update
     thread.join(30)
     assert not thread.is_alive() and isinstance(out[0], RuntimeError)
     assert receiver.group_id is None  # the broken group is dropped; the trainer re-forms it
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_nccl_groups_are_built_to_raise_and_the_process_setting_is_restored(monkeypatch, preset):
+    from tandemrl.weights.distributed import ASYNC_ERROR_HANDLING, nccl_errors_raise
+
+    if preset is None:
+        monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)
+    else:
+        monkeypatch.setenv(ASYNC_ERROR_HANDLING, preset)
+    with nccl_errors_raise():
+        assert os.environ[ASYNC_ERROR_HANDLING] == "2"  # CleanUpOnly: raise in the waiter, keep the process
+    assert os.environ.get(ASYNC_ERROR_HANDLING) == preset
+
+
+def test_a_failed_nccl_collective_aborts_its_communicator_then_raises():
+    from tandemrl.weights.distributed import _Group
+
+    class StuckPG:
+        aborted = False
+
+        def broadcast(self, tensors, options):
+            raise RuntimeError("Watchdog caught collective operation timeout")
+
+        def abort(self):
+            StuckPG.aborted = True
+
+    group = object.__new__(_Group)
+    group.transport, group.timeout, group.pg = "nccl", None, StuckPG()
+    with pytest.raises(RuntimeError, match="timeout"):
+        group.broadcast(torch.zeros(2))
+    assert StuckPG.aborted

@@ -117,3 +117,84 @@ def local_greedy(model, tokenizer, prompt_ids: list[int]) -> list[int]:
 
 def sync(mode: str = "drain", backend: str = "auto") -> DistributedSyncConfig:
     return DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30, weight_sync_bucket_mb=0.1, update_mode=mode, weight_sync_backend=backend)
+
+
+TRAINER = """
+import sys, time
+sys.path.insert(0, {here!r})
+from rollout_helpers import trainer_model, sync
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote import RolloutClient
+
+def weights():
+    named = [(n, p.detach().to({device!r})) for n, p in trainer_model({model!r}, 7).named_parameters()]
+    yield from named[: len(named) // 2]
+    print("HALF", flush=True)
+    time.sleep(600)
+    yield from named[len(named) // 2 :]
+
+client = RolloutClient(RemoteConfig(urls=({url!r},)))
+client.update_weights(weights(), version=1, sync=sync(backend={backend!r}))
+"""
+
+
+def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir: str, *, device: str = "cpu", backend: str = "auto",
+                                            env: dict[str, str] | None = None, deadline_s: float = 30) -> None:
+    """A trainer process pushes half of version 1 and is killed: within the sync's deadline the server
+    logs it, keeps version 0 and its weights (staging dropped), leaves the group and serves."""
+    prompt_ids = tokenizer.encode("steady")
+    body = {"prompt_ids": prompt_ids, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    before = server.post("/generate", body).json()["results"][0]["token_ids"]
+    script = TRAINER.format(here=os.path.dirname(__file__), model=model_dir, url=server.url, device=device, backend=backend)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    assert trainer.stdout.readline().strip() == "HALF"
+    assert server.get("/ready").json()["update_in_progress"]
+    trainer.kill()
+    trainer.wait(10)
+    deadline = time.monotonic() + deadline_s
+    while server.get("/ready").json()["update_in_progress"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.proc.poll() is None, "the server died with its trainer:\n" + server.log_text()[-3000:]
+    ready = server.get("/ready").json()
+    assert not ready["update_in_progress"] and ready["policy_version"] == 0 and ready["weight_group"] is None
+    assert "weight sync to version 1 failed" in server.log_text() and "keeping version 0" in server.log_text()
+    after = server.post("/generate", body).json()["results"][0]
+    assert after["token_ids"] == before and after["policy_versions"] == [0] * 8
+
+
+def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, device: str = "cpu", backend: str = "auto", deadline_s: float = 30) -> None:
+    """This process pushes half of version 1 and the server is killed: within the sync's deadline the
+    push raises one clear error (and this process is still alive to see it)."""
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RolloutClient
+
+    client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=20))
+    halfway, resume = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def weights():
+        named = [(n, p.detach().to(device)) for n, p in trainer_model(model_dir, 6).named_parameters()]
+        yield from named[: len(named) // 2]
+        halfway.set()
+        resume.wait(60)
+        yield from named[len(named) // 2 :]
+
+    def push() -> None:
+        try:
+            client.update_weights(weights(), version=1, sync=sync(backend=backend))
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            errors.append(error)
+
+    try:
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        assert halfway.wait(120)
+        server.kill()
+        start = time.monotonic()
+        resume.set()
+        pusher.join(deadline_s + 30)
+        assert not pusher.is_alive() and time.monotonic() - start < deadline_s
+        assert isinstance(errors[0], RuntimeError) and "weight sync of version 1 failed" in str(errors[0])
+    finally:
+        client.close()
+

@@ -246,9 +246,13 @@ class Engine:
 
     # --- sizing and validation -----------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
+        """What the memory budget allows, but never more than max_num_seqs sequences of max_model_len can
+        hold at once (+ the scratch block): a tiny model on a large GPU would otherwise book millions of
+        blocks (host bookkeeping of seconds, memory the colocated trainer needs) that no batch can use."""
         config = self.config
+        usable = config.max_num_seqs * -(-self.max_model_len // config.block_size) + 1
         if self.device.type != "cuda":
-            return max(2, config.kv_cache_tokens // config.block_size + 1)
+            return min(usable, max(2, config.kv_cache_tokens // config.block_size + 1))
         free, total = torch.cuda.mem_get_info(self.device)
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         # head room for activations: the largest prefill, and logits + sampler buffers of a full decode batch
@@ -258,7 +262,7 @@ class Engine:
         num_blocks = int(budget // self.runner.bytes_per_block())
         if num_blocks < self.max_model_len // config.block_size + 2:
             raise ValueError(f"only {num_blocks} KV blocks fit; raise --gpu_memory_utilization or lower --max_model_len")
-        return num_blocks
+        return min(usable, num_blocks)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab_size = self.model.config.vocab_size

@@ -119,6 +119,10 @@ class BlockManager:
             seq.block_table.append(self.take_fresh())
 
     def reset_prefix_cache(self) -> None:
-        self.hash_to_block.clear()
-        for block in self.blocks:
+        """Forgets every hash. It runs at every weight update, so it costs O(cached blocks), not O(blocks):
+        a block whose hash is not in `hash_to_block` can never be hit (lookups go through the map, and
+        `_forget` only removes a hash that maps to its own block)."""
+        for block_id in self.hash_to_block.values():
+            block = self.blocks[block_id]
             block.hash, block.token_ids = -1, ()
+        self.hash_to_block.clear()

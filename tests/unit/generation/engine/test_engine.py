@@ -187,6 +187,17 @@ def test_update_weights_by_hf_names_matches_new_weights_and_bumps_version(family
     run(engine.close())
 
 
+def test_kv_cache_never_books_more_blocks_than_max_num_seqs_full_sequences(family_dirs):
+    engine = make_engine(family_dirs["qwen2"], kv_cache_tokens=10_000_000, max_num_seqs=4, max_model_len=64)
+    try:
+        assert len(engine.blocks.blocks) == 4 * (64 // engine.config.block_size) + 1  # + the scratch block
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        params = SamplingParams(max_tokens=64 - max(len(p) for p in prompts), temperature=0.0, ignore_eos=True)
+        assert all(c.finish_reason == "length" for c in run(gather(engine, prompts * 2, params)))
+    finally:
+        run(engine.close())
+
+
 def test_update_during_generation_lands_between_steps(family_dirs):
     engine = make_engine(family_dirs["qwen2"])
     weights = list(AutoModelForCausalLM.from_pretrained(family_dirs["qwen2"]).named_parameters())

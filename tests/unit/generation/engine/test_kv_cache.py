@@ -45,6 +45,20 @@ def test_reset_prefix_cache_forgets_every_hash():
     assert later.num_cached_tokens == 0
 
 
+def test_reset_forgets_superseded_hashes_too():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    for _ in range(2):  # the second copy recomputes its last full block: a new block takes over its hash
+        blocks.allocate(seq(list(range(8))))
+    blocks.reset_prefix_cache()
+    assert not blocks.hash_to_block
+    again = seq(list(range(8)))
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 0
+    twice = seq(list(range(8)))
+    blocks.allocate(twice)
+    assert twice.num_cached_tokens == 4 and twice.block_table[0] == again.block_table[0]
+
+
 def test_append_takes_a_block_only_at_a_block_boundary():
     blocks = BlockManager(num_blocks=4, block_size=4)
     s = seq([1, 2, 3, 4])

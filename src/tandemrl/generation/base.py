@@ -62,9 +62,11 @@ class EngineConfig:
     device: str = "auto"
     """Device: auto (cuda if present), cpu or cuda."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory the engine may use (weights + KV cache)."""
+    """Fraction of GPU memory the engine may use (weights + KV cache); the KV cache never takes more than
+    max_num_seqs sequences of max_model_len tokens can use."""
     kv_cache_tokens: int = 65536
-    """KV cache size in tokens on CPU (on GPU it is sized from --gpu_memory_utilization)."""
+    """KV cache size in tokens on CPU (on GPU it is sized from --gpu_memory_utilization); at most
+    max_num_seqs x max_model_len either way."""
     max_model_len: int = 4096
     """Longest prompt + completion a request may have."""
     block_size: int = 16

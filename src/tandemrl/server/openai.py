@@ -1,17 +1,20 @@
 """OpenAI-compatible `/v1/models`, `/v1/completions` and `/v1/chat/completions` (plain and streaming),
 so agent frameworks and evaluation harnesses can use a rollout server as is.
 
-Choices also carry tandem's `token_ids` and `policy_versions`. Streaming sends each choice's text in
-one chunk when it is done: a Generator returns whole completions, it has no token stream.
+Choices also carry tandem's `token_ids` and `policy_versions`. Streaming sends text as it is sampled
+when the generator streams tokens (the engine) and no logprobs are asked for; otherwise each choice's
+text comes in one chunk when it is done. Streamed text never holds half a character or the start of a
+stop string, and its concatenation equals the non-streamed text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -108,10 +111,18 @@ async def _respond(service: RolloutService, prompter: Prompter, request: Request
     for prompt_ids, p in zip(prompts, params):
         prompter.check(prompt_ids, p)
     jobs = [(prompt_ids, one) for prompt_ids, p in zip(prompts, params) for one in per_sample(p, body.n)]
-    tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for prompt_ids, p in jobs]
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name}
     if body.stream:
-        return StreamingResponse(_stream(tasks, jobs, prompter, head, body, chat), media_type="text/event-stream")
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, token id | its finished task)
+        by_token = service.streams_tokens and not body.logprobs
+        tasks = [
+            asyncio.ensure_future(service.generate(ids, p, on_token=functools.partial(_put, events, i) if by_token else None))
+            for i, (ids, p) in enumerate(jobs)
+        ]
+        for i, task in enumerate(tasks):
+            task.add_done_callback(functools.partial(_put, events, i))
+        return StreamingResponse(_stream(tasks, events, jobs, prompter, head, body, chat), media_type="text/event-stream")
+    tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for prompt_ids, p in jobs]
     try:
         completions = await until_done_or_disconnect(request, asyncio.gather(*tasks))
     finally:
@@ -138,28 +149,90 @@ def _choice(index: int, c: Completion, params: SamplingParams, prompter: Prompte
     return {"index": index, "text": text, "logprobs": logprobs if body.logprobs is not None else None, **extra}
 
 
-async def _stream(tasks: list[asyncio.Future], jobs: list, prompter: Prompter, head: dict, body: Any, chat: bool) -> AsyncIterator[str]:
+def _put(events: asyncio.Queue, index: int, item: Any) -> None:
+    events.put_nowait((index, item))
+
+
+async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list, prompter: Prompter, head: dict, body: Any, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events: text deltas per choice as tokens arrive, then the choice's last text with
+    tandem's fields, then its finish reason; `[DONE]` after every choice ended."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    async def indexed(i: int, task: asyncio.Future) -> tuple[int, Completion]:
-        return i, await task
+    texts = [TextStream(prompter.decode, p.stop) for _, p in jobs]
+    started = [False] * len(jobs)
+
+    def chunk(i: int, text: str, **fields: Any) -> str:
+        if chat:
+            delta = {"content": text} if started[i] else {"role": "assistant", "content": text}
+            part = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+        else:
+            part = {"index": i, "text": text, "logprobs": None, "finish_reason": None, **fields}
+        started[i] = True
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [part]})}\n\n"
 
     try:
-        for done in asyncio.as_completed([indexed(i, t) for i, t in enumerate(tasks)]):
-            i, c = await done
+        remaining = len(tasks)
+        while remaining:
+            i, item = await events.get()
+            if not isinstance(item, asyncio.Future):  # a token
+                if delta := texts[i].push(item):
+                    yield chunk(i, delta)
+                continue
+            remaining -= 1
+            c: Completion = item.result()  # a failed choice fails the stream, as it fails a plain request
             choice = _choice(i, c, jobs[i][1], prompter, body, chat)
-            if chat:
-                message = choice.pop("message")
-                first = {**choice, "delta": message, "finish_reason": None}
-                last = {"index": i, "delta": {}, "finish_reason": c.finish_reason}
-            else:
-                first = {**choice, "finish_reason": None}
-                last = {"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
-            for part in (first, last):
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [part]})}\n\n"
+            text = choice.pop("message")["content"] if chat else choice.pop("text")
+            fields = {k: v for k, v in choice.items() if k not in ("index", "finish_reason")}  # logprobs, token ids, versions
+            yield chunk(i, texts[i].finish(text), **fields)
+            yield chunk(i, "", finish_reason=c.finish_reason)
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:
             task.cancel()
+
+
+class TextStream:
+    """The text of a growing list of sampled tokens, handed out in safe deltas: never a partial UTF-8
+    character (decoded as U+FFFD until its last byte arrives) and never characters that may still turn
+    out to begin a stop string. Each token is decoded with the token before it as context (what the text
+    of a token is may depend on its neighbour), so a step costs O(1) tokens, not O(all).
+
+    Example, stop "\\n\\n" (one character held back), tokens decoding to "Hi", " there", "\\n", "\\n":
+    pushes give "H", "i ther", "e", "" (a stop string: nothing from it on is sent); finish("Hi there") -> "".
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
+        self.decode = decode
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # characters that may begin a stop string
+        self.token_ids: list[int] = []
+        self.text = ""  # decoded so far (complete characters)
+        self.context = self.read = 0  # token_ids[context:read] is what self.text's end was decoded with
+        self.sent = 0  # characters of self.text handed out
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        if self.stopped:
+            return ""
+        before = self.decode(self.token_ids[self.context : self.read])
+        after = self.decode(self.token_ids[self.context :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an unfinished character: wait for its next byte
+        self.text += after[len(before) :]
+        self.context, self.read = self.read, len(self.token_ids)
+        end = len(self.text) - self.hold
+        hits = [k for s in self.stop if (k := self.text.find(s, max(0, self.sent - len(s)))) != -1]
+        if hits:
+            self.stopped, end = True, min(hits)
+        if end <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """What is left to send of the choice's final text (the text sent so far, then more)."""
+        delta, self.sent = final_text[self.sent :], max(self.sent, len(final_text))
+        return delta
 
 
 def _trim(text: str, stop: tuple[str, ...]) -> str:

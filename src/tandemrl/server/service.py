@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,20 +59,29 @@ class RolloutService:
 
     # --- generation -------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """One completion through the gate. Cancelling it aborts the generation (the engine frees it)."""
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether `generate(..., on_token=f)` calls f with each token as it is sampled (the engine does)."""
+        return bool(getattr(self.generator, "streams_tokens", False))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:
+        """One completion through the gate. Cancelling it aborts the generation (the engine frees it).
+        `on_token` is passed to a generator that streams tokens, and ignored by one that does not."""
         self.check_capacity(1)
-        return await self._generate(prompt_ids, params)
+        return await self._generate(prompt_ids, params, on_token if self.streams_tokens else None)
 
     def check_capacity(self, num_requests: int) -> None:
         """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests."""
         if self.gate.num_queued + self.gate.num_running + num_requests > self.max_pending_requests:
             raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
 
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None) -> Completion:
         try:
             async with self.gate.admit():
-                completion = await self.generator.generate(prompt_ids, params)
+                if on_token is None:
+                    completion = await self.generator.generate(prompt_ids, params)
+                else:
+                    completion = await self.generator.generate(prompt_ids, params, on_token=on_token)  # type: ignore[call-arg]
         except asyncio.CancelledError:
             self.counters.requests["abort"] += 1
             raise

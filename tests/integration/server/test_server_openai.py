@@ -44,3 +44,18 @@ def test_bad_openai_request_is_a_4xx(oai, tiny_model_dir):
         oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=100000)
     with pytest.raises(openai.UnprocessableEntityError):
         oai.chat.completions.create(model=tiny_model_dir, messages=[], max_tokens=2)
+
+
+def test_text_streams_as_it_is_sampled_and_stops_as_plain_does(oai, tiny_model_dir, backend):
+    args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = oai.completions.create(**args).choices[0].text
+    chunks = list(oai.completions.create(**args, stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == plain
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-2].choices[0].model_extra["token_ids"]
+    if backend == "engine":  # it streams tokens; hf hands over whole completions
+        assert sum(1 for t in texts if t) > 1
+    stop = plain[len(plain) // 2 :][:2]
+    stopped = oai.completions.create(**args, stop=[stop]).choices[0].text
+    assert stopped == plain[: plain.find(stop)]
+    assert "".join(c.choices[0].text for c in oai.completions.create(**args, stop=[stop], stream=True)) == stopped

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ class Engine:
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_by_loop: dict[asyncio.AbstractEventLoop, list[Sequence]] = {}
+        self._streaming: set[Sequence] = set()  # engine thread only: unfinished sequences with on_token
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -75,8 +76,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
+    streams_tokens = True  # generate() takes on_token
+
     # --- the Generator protocol ----------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:
+        """`on_token`, if given, is called on this event loop with each token as it is sampled, all of
+        them before the completion is returned."""
         self._validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -86,6 +91,7 @@ class Engine:
             seed=seed32(params.seed if params.seed is not None else next(self._seeds)),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             on_finish=lambda completion: _resolve_threadsafe(loop, future, completion),
+            on_token=None if on_token is None else lambda token_id: loop.call_soon_threadsafe(on_token, token_id),
         )
         self._add_this_tick(loop, seq)
         try:
@@ -208,7 +214,13 @@ class Engine:
             return
         token_ids, logprobs = self.runner.run(batch)
         start = time.perf_counter()
-        for seq in self.scheduler.postprocess(batch, token_ids, logprobs, self.version):
+        finished = self.scheduler.postprocess(batch, token_ids, logprobs, self.version)
+        if self._streaming:  # before the completions: a stream sees every token, then the end
+            for seq, token_id in zip(batch.seqs, token_ids):
+                if seq.on_token is not None:
+                    seq.on_token(token_id)
+            self._streaming.difference_update(finished)
+        for seq in finished:
             seq.on_finish(seq.completion())
         times.postprocess_s += time.perf_counter() - start
 
@@ -221,7 +233,9 @@ class Engine:
             if kind == "add_many":
                 for one in seq:
                     self.scheduler.add(one)
+                self._streaming.update(one for one in seq if one.on_token is not None)
             elif self.scheduler.abort(seq):
+                self._streaming.discard(seq)
                 seq.on_finish(seq.completion())
 
     def _fail_all(self, error: Exception) -> None:
@@ -230,6 +244,7 @@ class Engine:
             seq.on_finish(error)
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
+        self._streaming.clear()
 
     @contextlib.contextmanager
     def _between_steps(self) -> Iterator[None]:

@@ -38,6 +38,7 @@ class Sequence:
     seed: int  # 32-bit key of this request's sampling noise
     stop_ids: frozenset[int]
     on_finish: Callable[[Completion], None] | None = None
+    on_token: Callable[[int], None] | None = None  # called with each sampled token (streaming)
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING

@@ -114,7 +114,7 @@ async def _respond(service: RolloutService, prompter: Prompter, request: Request
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name}
     if body.stream:
         events: asyncio.Queue = asyncio.Queue()  # (choice index, token id | its finished task)
-        by_token = service.streams_tokens and not body.logprobs
+        by_token = service.streams_tokens and (body.logprobs is None or body.logprobs is False)  # logprobs come whole, with the text
         tasks = [
             asyncio.ensure_future(service.generate(ids, p, on_token=functools.partial(_put, events, i) if by_token else None))
             for i, (ids, p) in enumerate(jobs)

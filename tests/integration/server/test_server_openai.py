@@ -59,3 +59,10 @@ def test_text_streams_as_it_is_sampled_and_stops_as_plain_does(oai, tiny_model_d
     stopped = oai.completions.create(**args, stop=[stop]).choices[0].text
     assert stopped == plain[: plain.find(stop)]
     assert "".join(c.choices[0].text for c in oai.completions.create(**args, stop=[stop], stream=True)) == stopped
+
+
+def test_streaming_with_logprobs_sends_the_text_with_its_logprobs(oai, tiny_model_dir):
+    args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    with_text = [c.choices[0] for c in oai.completions.create(**args, stream=True, logprobs=0) if c.choices[0].text]
+    assert len(with_text) == 1 and len(with_text[0].logprobs.token_logprobs) == 5
+    assert with_text[0].text == oai.completions.create(**args).choices[0].text

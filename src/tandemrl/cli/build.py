@@ -167,11 +167,13 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         generator = build_generator(remote)
         return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device
-    if r.generator == "engine":  # sized for this run: the longest prompt plus the longest completion
+    if r.generator == "engine":  # sized for this run: one step's sequences, each as long as it may get
         max_model_len = config.data.max_prompt_length + config.algo.max_completion_length
+        max_num_seqs = min(EngineConfig.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations)
         backend: EngineConfig | HFConfig = EngineConfig(
-            device=device, seed=config.run.seed, max_model_len=max_model_len, gpu_memory_utilization=r.gpu_memory_utilization
-        )
+            device=device, seed=config.run.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+        )  # fmt: skip
     else:
         backend = HFConfig(device=device)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)

@@ -1,0 +1,20 @@
+"""How `tandem train` sizes its colocated engine: for one step's sequences, each as long as it may get."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandemrl.cli.build import _policy, _rollout_side
+from tandemrl.cli.train import parse
+
+
+def test_colocated_engine_holds_one_steps_sequences_at_full_length():
+    config, _ = parse(["--num_prompts_per_step", "3", "--num_generations", "5", "--device", "cpu"])
+    tokenizer, model = _policy(config, None)
+    generator, _ = _rollout_side(config, model, tokenizer)
+    try:
+        max_len = config.data.max_prompt_length + config.algo.max_completion_length
+        assert generator.config.max_num_seqs == 15 and generator.max_model_len == max_len
+        assert len(generator.blocks.blocks) == 15 * -(-max_len // generator.config.block_size) + 1
+    finally:
+        asyncio.run(generator.close())

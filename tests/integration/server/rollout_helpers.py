@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from tandemrl.generation.base import HFConfig
+from tandemrl.generation.base import HFConfig, RemoteConfig
 from tandemrl.generation.hf import HFGenerator
+from tandemrl.generation.remote import RolloutClient
 from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig
 
@@ -165,9 +166,6 @@ def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir
 def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, device: str = "cpu", backend: str = "auto", deadline_s: float = 30) -> None:
     """This process pushes half of version 1 and the server is killed: within the sync's deadline the
     push raises one clear error (and this process is still alive to see it)."""
-    from tandemrl.generation.base import RemoteConfig
-    from tandemrl.generation.remote import RolloutClient
-
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=20))
     halfway, resume = threading.Event(), threading.Event()
     errors: list[BaseException] = []

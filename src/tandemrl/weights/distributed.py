@@ -85,24 +85,30 @@ def unpack_bucket(meta: list[dict], flat: Tensor) -> Named:
     return out
 
 
-ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_GROUP_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicator, raise in the waiter
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # no std::abort from the heartbeat monitor some minutes after a timeout
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # a dead peer is expected here: no flight-recorder dump to disk
+}
 
 
 @contextlib.contextmanager
 def nccl_errors_raise() -> Iterator[None]:
-    """ProcessGroupNCCL objects built inside this block abort their communicator on a failed or timed-out
-    collective and raise in the waiting thread (mode 2, CleanUpOnly), instead of taking the whole process
-    down from the watchdog thread (torch's default, 3): a dead trainer must not kill a rollout server, nor a
-    dead server its trainer. The mode is read when the group is built, so only our groups are affected."""
-    previous = os.environ.get(ASYNC_ERROR_HANDLING)
-    os.environ[ASYNC_ERROR_HANDLING] = "2"
+    """ProcessGroupNCCL objects built inside this block survive a dead peer: a failed or timed-out
+    collective aborts their communicator and raises in the waiting thread, instead of torch's defaults
+    taking the whole process down (the watchdog at once, mode 3; or the heartbeat monitor a heartbeat
+    timeout after the flight-recorder dump). A dead trainer must not kill a rollout server, nor a dead
+    server its trainer. torch reads these variables when a group is built, so only our groups are affected."""
+    previous = {name: os.environ.get(name) for name in NCCL_GROUP_ENV}
+    os.environ.update(NCCL_GROUP_ENV)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(ASYNC_ERROR_HANDLING, None)
-        else:
-            os.environ[ASYNC_ERROR_HANDLING] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class _Group:

@@ -89,16 +89,19 @@ def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update
 
 
 @pytest.mark.parametrize("preset", [None, "3"])
-def test_nccl_groups_are_built_to_raise_and_the_process_setting_is_restored(monkeypatch, preset):
-    from tandemrl.weights.distributed import ASYNC_ERROR_HANDLING, nccl_errors_raise
+def test_nccl_groups_are_built_to_survive_a_dead_peer_and_the_process_settings_are_restored(monkeypatch, preset):
+    from tandemrl.weights.distributed import NCCL_GROUP_ENV, nccl_errors_raise
 
-    if preset is None:
-        monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)
-    else:
-        monkeypatch.setenv(ASYNC_ERROR_HANDLING, preset)
+    for name in NCCL_GROUP_ENV:
+        if preset is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, preset)
     with nccl_errors_raise():
-        assert os.environ[ASYNC_ERROR_HANDLING] == "2"  # CleanUpOnly: raise in the waiter, keep the process
-    assert os.environ.get(ASYNC_ERROR_HANDLING) == preset
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # CleanUpOnly: raise in the waiter, keep the process
+        assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # the heartbeat monitor would std::abort later
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert all(os.environ.get(name) == preset for name in NCCL_GROUP_ENV)
 
 
 def test_a_failed_nccl_collective_aborts_its_communicator_then_raises():

@@ -179,6 +179,8 @@ class Engine:
             "engine/prepare_s": times.prepare_s,
             "engine/device_wait_s": times.device_wait_s,
             "engine/gpu_s": times.gpu_s,
+            "engine/num_prefill_steps": times.num_prefill_steps,
+            "engine/prefill_s": times.prefill_s,
             "engine/schedule_s": times.schedule_s,
             "engine/postprocess_s": times.postprocess_s,
             "engine/version": self.version,

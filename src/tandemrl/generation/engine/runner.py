@@ -27,12 +27,16 @@ from tandemrl.generation.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class StepTimes:
-    """Seconds spent, summed over steps: host work (inputs, bookkeeping) vs waiting for the device."""
+    """Seconds spent, summed over steps: host work (inputs, bookkeeping) vs waiting for the device.
+    A step's host part never waits on the device (every host-to-device copy is issued before the launch
+    or without blocking), so the device's time of a step shows in device_wait_s, not prepare_s."""
 
     num_steps: int = 0
     prepare_s: float = 0.0  # building inputs on the host and launching
     device_wait_s: float = 0.0  # from the last launch until the sampled tokens are on the host
     gpu_s: float = 0.0  # device busy time from first launch to sampled tokens (CUDA events), 0 on CPU
+    num_prefill_steps: int = 0  # of num_steps, those that computed prompt tokens
+    prefill_s: float = 0.0  # wall time of those steps (prepare + wait), included in the two above
     schedule_s: float = 0.0  # written by the engine: scheduler.schedule()
     postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
@@ -80,11 +84,15 @@ class ModelRunner:
         itemsize = self.model.model.embed_tokens.weight.element_size()
         return config.num_hidden_layers * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * itemsize
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def block_copy_slots(self, copies: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        """(source, destination) cache slots of whole-block copies, on the device."""
         offsets = torch.arange(self.block_size)
         src = torch.tensor([s for s, _ in copies])[:, None] * self.block_size + offsets  # [C, block]
         dst = torch.tensor([d for _, d in copies])[:, None] * self.block_size + offsets
-        src, dst = src.flatten().to(self.device), dst.flatten().to(self.device)
+        return src.flatten().to(self.device), dst.flatten().to(self.device)
+
+    def copy_blocks(self, slots: tuple[Tensor, Tensor]) -> None:
+        src, dst = slots
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # --- one step ------------------------------------------------------------------------------------
@@ -106,6 +114,9 @@ class ModelRunner:
         self.times.num_steps += 1
         self.times.prepare_s += launched - start
         self.times.device_wait_s += time.perf_counter() - launched
+        if batch.is_prefill:
+            self.times.num_prefill_steps += 1
+            self.times.prefill_s += time.perf_counter() - start
         return token_list, logprob_list
 
     def _to_host(self, token_ids: Tensor, logprobs: Tensor) -> tuple[list[int], list[float]]:
@@ -130,15 +141,16 @@ class ModelRunner:
             [n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device
         )
         meta.block_size = self.block_size
-        ids = torch.tensor(input_ids, device=self.device)
-        hidden = self.model(ids, torch.tensor(positions, device=self.device), meta)  # [N, E]
-        last = torch.tensor([n for _, n in computing]).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last.to(self.device)])  # [B_computing, V]
-        if batch.block_copies:
-            self.copy_blocks(batch.block_copies)
-        if len(computing) != len(batch.seqs):
-            logits = logits[torch.tensor(batch.sample_rows, device=self.device)]
-        return logits
+        # every index crosses to the device before the launch: a copy after it would wait for the forward
+        ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
+        last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(self.device)  # [B_computing]
+        copies = self.block_copy_slots(batch.block_copies) if batch.block_copies else None
+        rows = torch.tensor(batch.sample_rows, device=self.device) if len(computing) != len(batch.seqs) else None
+        hidden = self.model(ids, pos, meta)  # [N, E]
+        logits = self.model.compute_logits(hidden[last])  # [B_computing, V]
+        if copies is not None:
+            self.copy_blocks(copies)
+        return logits if rows is None else logits[rows]
 
     def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor]:
         batch, state = len(seqs), self.state

@@ -93,6 +93,8 @@ def test_group_of_equal_prompts_prefills_the_prompt_once(family_dirs):
     assert stats["engine/num_prefix_hit_tokens"] == 7 * len(prompt)
     assert len({tuple(c.token_ids) for c in completions}) > 1  # each sample still draws its own tokens
     assert stats["engine/kv_blocks_used"] == 0
+    assert stats["engine/num_prefill_steps"] == 1 and stats["engine/num_steps"] == 6  # one prefill, then 5 decodes
+    assert 0 < stats["engine/prefill_s"] <= stats["engine/prepare_s"] + stats["engine/device_wait_s"]
     run(engine.close())
 
 

@@ -98,7 +98,11 @@ def nccl_errors_raise() -> Iterator[None]:
     collective aborts their communicator and raises in the waiting thread, instead of torch's defaults
     taking the whole process down (the watchdog at once, mode 3; or the heartbeat monitor a heartbeat
     timeout after the flight-recorder dump). A dead trainer must not kill a rollout server, nor a dead
-    server its trainer. torch reads these variables when a group is built, so only our groups are affected."""
+    server its trainer. torch reads these variables when a group is built, so only our groups are affected.
+    Caveat: torch's dump signal is process-wide and served by the process's first NCCL group; today that
+    is ours (neither the trainer nor the server builds another), but a process whose first group is built
+    elsewhere with torch's defaults (a future multi-GPU trainer) would be aborted by that group's monitor
+    some minutes after one of our collectives failed, unless it too turns monitoring or dumping off."""
     previous = {name: os.environ.get(name) for name in NCCL_GROUP_ENV}
     os.environ.update(NCCL_GROUP_ENV)
     try:

@@ -50,7 +50,7 @@ def workload(name: str) -> list[tuple[list[int], int]]:
     return [([rng.randrange(1000, 150000) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(256)]
 
 
-def run_ours(model, requests, *, max_model_len: int) -> tuple[float, dict]:
+def run_ours(model, requests, *, max_model_len: int, profile: bool = False) -> tuple[float, dict]:
     from tandemrl.generation.base import EngineConfig
     from tandemrl.generation.engine import Engine
     from tandemrl.types import SamplingParams
@@ -70,10 +70,27 @@ def run_ours(model, requests, *, max_model_len: int) -> tuple[float, dict]:
     after = engine.stats()
     assert sum(len(c.token_ids) for c in completions) == sum(n for _, n in requests)
     split = {k.split("/")[1]: round(after[k] - before[k], 3) for k in after if k.endswith("_s") or k.endswith("steps")}
+    if profile:  # one more call under the profiler, after the timed one: the profiler slows what it watches
+        print_kernel_profile(lambda: asyncio.run(go(requests)))
     asyncio.run(engine.close())
     del engine
     torch.cuda.empty_cache()
     return elapsed, split
+
+
+def print_kernel_profile(call, top: int = 20) -> None:
+    """One JSON line per device kernel (or op) with the most device time in `call`, and their share of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        share = e.self_device_time_total / total
+        print(json.dumps({"kernel": e.key[:120], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 1), "share": round(share, 3)}), flush=True)
+    print(json.dumps({"kernel_total_device_ms": round(total / 1e3, 1), "kernels": len(events)}), flush=True)
 
 
 def run_generate(model, requests, *, static: bool) -> float:
@@ -101,18 +118,43 @@ def run_generate(model, requests, *, static: bool) -> float:
 
 
 def run_cb(model, requests) -> float:
+    """transformers continuous batching, paged|sdpa. `generate_batch` takes one `max_new_tokens` for the
+    whole batch, so requests of different lengths (mixed) go through the manager it wraps, each with its own."""
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     new = max(n for _, n in requests)
     model.set_attn_implementation("paged|sdpa")
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
     inputs = [p for p, _ in requests]
+    hints = WorkloadHints(max_prompt_length=max(map(len, inputs)), max_generated_length=new, num_requests=len(requests))
+
+    def per_request_lengths():
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5, workload_hints=hints) as manager:
+            for prompt, n in sorted(requests, reverse=True):  # as generate_batch orders them, for prefix sharing
+                manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+            generated = 0
+            for _ in requests:
+                result = None
+                while result is None or not result.is_finished():
+                    result = manager.get_result(timeout=1)
+                    if result is None and not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching manager stopped before finishing")
+                generated += len(result.generated_tokens)
+        if generated != sum(n for _, n in requests):
+            raise RuntimeError(f"continuous batching generated {generated} tokens, the workload asked for {sum(n for _, n in requests)}")
+
+    def call():
+        if len({n for _, n in requests}) == 1:
+            model.generate_batch(inputs=inputs, generation_config=config)
+        else:
+            per_request_lengths()
+        torch.cuda.synchronize()
+
     try:
-        model.generate_batch(inputs=inputs, generation_config=config)  # warm, same shape
-        torch.cuda.synchronize()
+        call()  # warm, same shape
         start = time.perf_counter()
-        model.generate_batch(inputs=inputs, generation_config=config)
-        torch.cuda.synchronize()
+        call()
         return time.perf_counter() - start
     finally:
         model.set_attn_implementation("sdpa")
@@ -157,6 +199,7 @@ def main() -> None:
     parser.add_argument("--models", default="0.5b,1.5b")
     parser.add_argument("--workloads", default="grpo256,grpo1024,mixed")
     parser.add_argument("--only", default=",".join(SYSTEMS), help="systems to run: ours,generate,static,cb")
+    parser.add_argument("--profile", action="store_true", help="after ours is timed, print its top device kernels from one more call")
     args = parser.parse_args()
     systems = args.only.split(",")
     bandwidth = copy_bandwidth()
@@ -171,7 +214,7 @@ def main() -> None:
             for system in systems:
                 try:
                     if system == "ours":
-                        elapsed, split = run_ours(model, requests, max_model_len=max_len)
+                        elapsed, split = run_ours(model, requests, max_model_len=max_len, profile=args.profile)
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}
                     else:

@@ -1,9 +1,10 @@
 """Output tokens/s of our engine against transformers on random-weight Qwen2.5-shaped models (GPU).
 
 In one process: ours, `generate` (padded batch, dynamic cache), `generate` with a static cache
-(compiled), and transformers continuous batching (`generate_batch`, paged|sdpa). Workloads: GRPO
-(64 prompts x 8 samples, 128 prompt tokens, 256 or 1024 new, ignore EOS, temperature 1) and mixed
-(256 requests, prompt and output lengths uniform in [100, 1024]). Baselines are timed warm (after one
+(compiled), and transformers continuous batching (`generate_batch`, paged|sdpa; on mixed, the manager
+it wraps, so each request gets its own length). Workloads: GRPO (64 prompts x 8 samples, 128 prompt
+tokens, 256 or 1024 new, ignore EOS, temperature 1) and mixed (256 requests, prompt and output lengths
+uniform in [100, 1024]). Baselines are timed warm (after one
 untimed call of the same shape). Prints one JSON line per figure and one ratio line per comparison,
 and ours as a fraction of a decode roofline (weights + KV bytes per step over measured copy bandwidth).
 

@@ -1,7 +1,7 @@
 """Before and after, in one run: the same benchmark command on several source trees, alternating.
 
-Each tree is a `src` directory (export one with `python bench/ab.py --export REV DIR`, which writes the
-package of git revision REV under DIR/src). Rounds alternate the trees (A B A B ...), so drift of the
+Each tree is a `src` directory (export one with `python bench/ab.py --export REV DIR`, which writes
+git revision REV's `src` and `tests` under DIR, so its GPU tests can run there too). Rounds alternate the trees (A B A B ...), so drift of the
 machine lands on both. Every JSON line the command prints with a `tokens_per_s` is kept, with the tree
 it came from; at the end one line per tree and figure (the mean over rounds) and one ratio line per
 tree against the first:
@@ -25,7 +25,7 @@ from collections import defaultdict
 
 def export(rev: str, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    archive = subprocess.run(["git", "archive", rev, "src"], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "archive", rev, "src", "tests"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
     print(json.dumps({"exported": rev, "src": os.path.join(directory, "src")}), flush=True)
 
@@ -49,7 +49,7 @@ def run_tree(name: str, src: str, command: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--export", nargs=2, metavar=("REV", "DIR"), help="write git revision REV's src under DIR, then stop")
+    parser.add_argument("--export", nargs=2, metavar=("REV", "DIR"), help="write git revision REV's src and tests under DIR, then stop")
     parser.add_argument("--trees", help="name=src_dir,... ; the first is the baseline of the ratios")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")

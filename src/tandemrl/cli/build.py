@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import yaml
 
+from tandemrl.cli import frozen_heap
 from tandemrl.config import TrainConfig
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
@@ -62,7 +63,8 @@ def run(config: TrainConfig) -> Path:
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
-        asyncio.run(_main(parts, _settings(config), start_step))
+        with frozen_heap():
+            asyncio.run(_main(parts, _settings(config), start_step))
     finally:
         parts.progress.close()
         parts.logger.close()

@@ -12,6 +12,7 @@ import socket
 import sys
 from typing import Any
 
+from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import add_config_args, build_config, check_known, load_yaml
 from tandemrl.server.config import RolloutServerConfig
 
@@ -41,7 +42,8 @@ def serve(config: RolloutServerConfig) -> None:
     host, port = sock.getsockname()[:2]
     print(f"tandem rollout: serving {config.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, access_log=False))
-    server.run(sockets=[sock])
+    with frozen_heap():
+        server.run(sockets=[sock])
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
@@ -127,9 +128,9 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norm_and_rope_match_the_torch_path(dtype):
+def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
     from tandemrl.generation.engine.models.llama import RMSNorm, apply_rope
-    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_
+    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_and_cache_, silu_mul
 
     torch.manual_seed(2)
     norm = RMSNorm(896, 1e-6).cuda().to(dtype)
@@ -138,17 +139,28 @@ def test_fused_norm_and_rope_match_the_torch_path(dtype):
     out, summed = rms_norm(x, norm.weight, 1e-6, residual)
     assert torch.equal(summed, x + residual)
     assert torch.allclose(out.float(), norm._norm(x + residual).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
-    heads, dim = 6, 64
-    qkv = torch.randn(37, (heads + 2) * dim, device="cuda", dtype=dtype)
+    heads, kv_heads, dim, slots = 6, 2, 64, 100
+    qkv = torch.randn(37, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
     positions = torch.randint(0, 500, (37,), device="cuda")
+    slot_mapping = torch.randperm(slots, device="cuda")[:37]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     emb = torch.arange(512).float()[:, None] * inv_freq
     emb = torch.cat((emb, emb), -1)
     table = torch.stack((emb.cos(), emb.sin()), 1).cuda()
     cos_sin = table[positions].to(dtype)
-    expected = apply_rope(qkv[:, : heads * dim].view(37, heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
-    got = qkv.clone()
-    rope_(got, heads, dim, positions, table)
-    error = (got[:, : heads * dim].view(37, heads, dim).float() - expected.float()).norm() / expected.float().norm()
-    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6), error
-    assert torch.equal(got[:, heads * dim :], qkv[:, heads * dim :])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    expected_q = apply_rope(q.view(37, heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    expected_k = apply_rope(k.view(37, kv_heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    got, cache = qkv.clone(), torch.zeros(2, slots, kv_heads, dim, device="cuda", dtype=dtype)
+    rope_and_cache_(got, heads, kv_heads, dim, positions, table, slot_mapping, cache[0], cache[1])
+    for expected, written in ((expected_q, got[:, : heads * dim].view(37, heads, dim)), (expected_k, cache[0][slot_mapping])):
+        error = (written.float() - expected.float()).norm() / expected.float().norm()
+        assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6), error
+    assert torch.equal(cache[1][slot_mapping], v.view(37, kv_heads, dim))
+    untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+    untouched[slot_mapping] = False
+    assert not cache[:, untouched].any()
+    assert torch.equal(got[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+    gate_up = torch.randn(37, 2 * 1500, device="cuda", dtype=dtype) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(silu_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -32,10 +32,14 @@ class AttentionMetadata:
     block_size: int = 16
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-    """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+def paged_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, *, cached: bool = False
+) -> Tensor:
+    """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]. `cached`: k and v are
+    already in their slots (the GPU path writes them in its RoPE kernel)."""
+    if not cached:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.block_tables is not None:
         from tandemrl.generation.engine.triton_kernels import decode_attention
 

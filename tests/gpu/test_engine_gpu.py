@@ -30,6 +30,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _random_tables(lens: list[int], block: int, num_blocks: int) -> list[list[int]]:
+    """Block tables for sequences of these lengths, from distinct blocks in random order (block 0 kept free)."""
+    perm = torch.randperm(num_blocks - 1) + 1
+    tables, at = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(perm[at : at + count].tolist())
+        at += count
+    return tables
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_gather_attention(dtype):
@@ -40,12 +51,7 @@ def test_decode_kernel_matches_gather_attention(dtype):
     k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     lens = [1, 17, 100, 300]
-    perm = torch.randperm(num_blocks - 1) + 1
-    tables, at = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(perm[at : at + count].tolist())
-        at += count
+    tables = _random_tables(lens, block, num_blocks)
     q = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
     meta = build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda"))
     expected = gather_attention(q, k_cache, v_cache, meta).float()
@@ -68,12 +74,7 @@ def test_varlen_prefill_matches_gather_attention():
     v_cache = torch.randn_like(k_cache)
     # whole prompts, and sequences whose cached prefix is longer than what they compute
     query_lens, context_lens = [100, 1, 37, 300, 16], [100, 128, 80, 300, 17]
-    perm = torch.randperm(num_blocks - 1) + 1
-    tables, at = [], 0
-    for n in context_lens:
-        count = -(-n // block)
-        tables.append(perm[at : at + count].tolist())
-        at += count
+    tables = _random_tables(context_lens, block, num_blocks)
     q = torch.randn(sum(query_lens), heads, dim, device="cuda", dtype=torch.bfloat16)
     gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))
     varlen = build_varlen_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))

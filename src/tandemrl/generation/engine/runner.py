@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.attention import build_gather_metadata
+from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, varlen_options
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
@@ -50,6 +50,9 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
+        # flash attention takes 16-bit inputs only; float32 (the tests' GPU-vs-CPU runs) keeps the gather path
+        dtype = model.model.embed_tokens.weight.dtype
+        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and varlen_options() is not None
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
@@ -137,9 +140,8 @@ class ModelRunner:
         for seq, n in computing:
             input_ids += seq.token_ids[seq.num_tokens - n :]
             positions += range(seq.num_tokens - n, seq.num_tokens)
-        meta = build_gather_metadata(
-            [n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device
-        )
+        build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
+        meta = build([n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device)
         meta.block_size = self.block_size
         # every index crosses to the device before the launch: a copy after it would wait for the forward
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)

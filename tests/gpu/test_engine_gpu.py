@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
-from tandemrl.generation.engine.attention import build_gather_metadata, gather_attention
+from tandemrl.generation.engine.attention import build_gather_metadata, gather_attention, varlen_options
 from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
 from tandemrl.types import SamplingParams
 
@@ -30,6 +31,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _random_tables(lens: list[int], block: int, num_blocks: int) -> list[list[int]]:
+    """Block tables for sequences of these lengths, from distinct blocks in random order (block 0 kept free)."""
+    perm = torch.randperm(num_blocks - 1) + 1
+    tables, at = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(perm[at : at + count].tolist())
+        at += count
+    return tables
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_gather_attention(dtype):
@@ -40,12 +52,7 @@ def test_decode_kernel_matches_gather_attention(dtype):
     k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     lens = [1, 17, 100, 300]
-    perm = torch.randperm(num_blocks - 1) + 1
-    tables, at = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(perm[at : at + count].tolist())
-        at += count
+    tables = _random_tables(lens, block, num_blocks)
     q = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
     meta = build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda"))
     expected = gather_attention(q, k_cache, v_cache, meta).float()
@@ -54,6 +61,54 @@ def test_decode_kernel_matches_gather_attention(dtype):
     got = decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32, device="cuda"), block).float()
     error = (got - expected).norm() / expected.norm()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@cuda
+def test_varlen_prefill_matches_gather_attention():
+    from tandemrl.generation.engine.attention import build_varlen_metadata, varlen_attention
+
+    if varlen_options() is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen_attn: the engine prefills on the gather path")
+    torch.manual_seed(3)
+    block, num_blocks, heads, kv_heads, dim = 16, 128, 14, 2, 64
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    # whole prompts, and sequences whose cached prefix is longer than what they compute
+    query_lens, context_lens = [100, 1, 37, 300, 16], [100, 128, 80, 300, 17]
+    tables = _random_tables(context_lens, block, num_blocks)
+    q = torch.randn(sum(query_lens), heads, dim, device="cuda", dtype=torch.bfloat16)
+    gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))
+    varlen = build_varlen_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))
+    expected = gather_attention(q, k_cache, v_cache, gather).float()
+    got = varlen_attention(q, k_cache, v_cache, varlen).float()
+    error = (got - expected).norm() / expected.norm()
+    assert error < 1e-2, error
+
+
+@cuda
+def test_bfloat16_engine_gives_the_same_tokens_on_both_prefill_paths(tmp_path):
+    from tandemrl.tasks.tiny import save_tiny
+
+    if varlen_options() is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen_attn: the engine prefills on the gather path")
+    model_dir = save_tiny(str(tmp_path), seed=2)
+    # four prompts of their own, and a group of four sharing one (prefilled once: the others compute less)
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)] + [[7, 8, 9, 10] * 10] * 4
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for varlen in (True, False):
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
+        engine.runner.varlen_prefill = varlen
+
+        async def all_requests(engine=engine):
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+        outputs[varlen] = run(all_requests())
+        run(engine.close())
+    matches = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
+    assert matches >= len(prompts) - 1  # bfloat16: a near-tie may flip one
+    for a, b in zip(outputs[True], outputs[False]):
+        assert abs(a.logprobs[0] - b.logprobs[0]) < 5e-2
 
 
 @cuda
@@ -116,6 +171,7 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
     model_dir = save_tiny(str(tmp_path), seed=2)
     engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
     assert engine.runner.graphs
+    assert engine.runner.varlen_prefill == (varlen_options() is not None)  # bfloat16 prefills on varlen where torch has it
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     before = run(engine.generate([5, 6, 7, 8], params))
     run(engine.sleep(2))
@@ -127,9 +183,9 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norm_and_rope_match_the_torch_path(dtype):
+def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
     from tandemrl.generation.engine.models.llama import RMSNorm, apply_rope
-    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_
+    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_and_cache_, silu_mul
 
     torch.manual_seed(2)
     norm = RMSNorm(896, 1e-6).cuda().to(dtype)
@@ -138,17 +194,28 @@ def test_fused_norm_and_rope_match_the_torch_path(dtype):
     out, summed = rms_norm(x, norm.weight, 1e-6, residual)
     assert torch.equal(summed, x + residual)
     assert torch.allclose(out.float(), norm._norm(x + residual).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
-    heads, dim = 6, 64
-    qkv = torch.randn(37, (heads + 2) * dim, device="cuda", dtype=dtype)
+    heads, kv_heads, dim, slots = 6, 2, 64, 100
+    qkv = torch.randn(37, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
     positions = torch.randint(0, 500, (37,), device="cuda")
+    slot_mapping = torch.randperm(slots, device="cuda")[:37]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     emb = torch.arange(512).float()[:, None] * inv_freq
     emb = torch.cat((emb, emb), -1)
     table = torch.stack((emb.cos(), emb.sin()), 1).cuda()
     cos_sin = table[positions].to(dtype)
-    expected = apply_rope(qkv[:, : heads * dim].view(37, heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
-    got = qkv.clone()
-    rope_(got, heads, dim, positions, table)
-    error = (got[:, : heads * dim].view(37, heads, dim).float() - expected.float()).norm() / expected.float().norm()
-    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6), error
-    assert torch.equal(got[:, heads * dim :], qkv[:, heads * dim :])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    expected_q = apply_rope(q.view(37, heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    expected_k = apply_rope(k.view(37, kv_heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    got, cache = qkv.clone(), torch.zeros(2, slots, kv_heads, dim, device="cuda", dtype=dtype)
+    rope_and_cache_(got, heads, kv_heads, dim, positions, table, slot_mapping, cache[0], cache[1])
+    for expected, written in ((expected_q, got[:, : heads * dim].view(37, heads, dim)), (expected_k, cache[0][slot_mapping])):
+        error = (written.float() - expected.float()).norm() / expected.float().norm()
+        assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6), error
+    assert torch.equal(cache[1][slot_mapping], v.view(37, kv_heads, dim))
+    untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+    untouched[slot_mapping] = False
+    assert not cache[:, untouched].any()
+    assert torch.equal(got[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+    gate_up = torch.randn(37, 2 * 1500, device="cuda", dtype=dtype) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(silu_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

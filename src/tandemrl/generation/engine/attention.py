@@ -5,12 +5,17 @@ H query heads, K key/value heads, D head dim.
 
 Every layer writes the KV of all N tokens before any query reads, so a sequence may read blocks that
 another sequence of the same step is filling (prefix sharing inside one prefill batch).
-Two read paths: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and prefill
-on GPU) and the Triton paged decode kernel (GPU decode, one query per sequence).
+Three read paths: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and
+float32 prefill on GPU), `varlen` (GPU prefill in 16-bit: each sequence's context packed without
+padding, then torch's variable-length flash attention, causal from the bottom right so a sequence whose
+prefix is cached attends to all of it) and the Triton paged decode kernel (GPU decode, one query per
+sequence).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +35,56 @@ class AttentionMetadata:
     block_tables: Tensor | None = None  # [B, M] int32 (decode kernel path)
     context_lens: Tensor | None = None  # [B] int32 (decode kernel path)
     block_size: int = 16
+    cu_seq_q: Tensor | None = None  # [B+1] int32 start of each sequence's queries in N (varlen path)
+    cu_seq_k: Tensor | None = None  # [B+1] int32 start of each sequence's context in packed_key_slots
+    packed_key_slots: Tensor | None = None  # [sum of context lengths] cache slot of each context position
+    max_q: int = 0
+    max_k: int = 0
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-    """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+def paged_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, *, cached: bool = False
+) -> Tensor:
+    """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]. `cached`: k and v are
+    already in their slots (the GPU path writes them in its RoPE kernel)."""
+    if not cached:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.block_tables is not None:
         from tandemrl.generation.engine.triton_kernels import decode_attention
 
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
+    if meta.packed_key_slots is not None:
+        return varlen_attention(q, k_cache, v_cache, meta)
     return gather_attention(q, k_cache, v_cache, meta)
+
+
+@functools.cache
+def varlen_options() -> dict | None:
+    """Keyword arguments for a causal GQA call of torch's varlen_attn, or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return causal | ({"enable_gqa": True} if "enable_gqa" in params else {})
+
+
+def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    options = varlen_options()
+    keys, values = k_cache[meta.packed_key_slots], v_cache[meta.packed_key_slots]  # [sum C, K, D]
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1 and "enable_gqa" not in options:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, keys, values, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **options)
 
 
 def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -91,6 +135,32 @@ def build_gather_metadata(
         key_slots=key_slots.to(device),
         mask=mask[:, None].to(device),
         output_index=output_index.to(device),
+    )
+
+
+def build_varlen_metadata(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """As build_gather_metadata, for the varlen path: no padding, no mask; the same slot_mapping.
+
+    Example: query_lens [2, 1], context_lens [2, 3], block_size 2, tables [[5], [7, 8]] ->
+    packed_key_slots [10, 11, 14, 15, 16], cu_seq_k [0, 2, 5], cu_seq_q [0, 2, 3], slot_mapping [10, 11, 16].
+    """
+    lens, qlens = torch.tensor(context_lens), torch.tensor(query_lens)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [sum C] sequence of each position
+    positions = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[owner]
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # [B, M]
+    key_slots = tables[owner, positions // block_size] * block_size + positions % block_size
+    computed = positions >= (lens - qlens)[owner]
+    return AttentionMetadata(
+        slot_mapping=key_slots[computed].to(device),
+        cu_seq_q=torch.nn.functional.pad(torch.cumsum(qlens, 0), (1, 0)).to(torch.int32).to(device),
+        cu_seq_k=torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(device),
+        packed_key_slots=key_slots.to(device),
+        max_q=max(query_lens),
+        max_k=max(context_lens),
+        block_size=block_size,
     )
 
 

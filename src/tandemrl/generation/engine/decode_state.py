@@ -34,7 +34,8 @@ class DecodeState:
         self.ints = torch.zeros((6, max_rows), dtype=torch.int64, device=device)
         self.floats = torch.zeros((3, max_rows), dtype=torch.float32, device=device)  # temperature, top_p, min_p
         self.block_tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=torch.int32, device=device)
-        # host staging; reused every rebuild, safe because every step ends by waiting for its tokens
+        # host staging; reused every rebuild, safe because a rebuild launches only when no step is in flight
+        # (the engine's look-ahead step continues an unchanged batch, which never rebuilds)
         self._host_ints = torch.zeros(6 * max_rows, dtype=torch.int64, pin_memory=pin)
         self._host_floats = torch.zeros(3 * max_rows, dtype=torch.float32, pin_memory=pin)
         self._host_tables = torch.zeros(max_rows * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)

@@ -4,6 +4,12 @@ Invariants: every state change of sequences and blocks happens in the engine thr
 lock; weight updates, sleep and wake take the step lock, so they land between two steps, never inside
 one; a token carries the version live during the step that produced it; every update resets the
 prefix cache. `generate` may be awaited from any asyncio loop; cancelling it aborts the request.
+
+Overlap (on CUDA): a decode step launches the next decode of the same sequences before it waits for
+its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while the device computes.
+That step is in flight between two calls of `step`; whatever needs the engine still (weight updates,
+sleep, wake) finishes it first, under the step lock. Sampling noise depends on (seed, position) alone,
+so the tokens are those of a run without overlap; rows of sequences that finished are dropped.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import torch
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine.kv_cache import BlockManager
 from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
-from tandemrl.generation.engine.runner import ModelRunner
-from tandemrl.generation.engine.scheduler import Scheduler
-from tandemrl.generation.engine.sequence import Sequence, seed32
+from tandemrl.generation.engine.runner import Launched, ModelRunner
+from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
+from tandemrl.generation.engine.sequence import Sequence, Status, seed32
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.types import Completion, SamplingParams
 
@@ -63,6 +69,8 @@ class Engine:
             max_model_len=self.max_model_len,
             detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
         )
+        self.overlap = self.device.type == "cuda"  # launch the next decode before waiting (module docstring)
+        self._ahead: tuple[ScheduledBatch, Launched, int] | None = None  # that step and its version, in flight
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_by_loop: dict[asyncio.AbstractEventLoop, list[Sequence]] = {}
@@ -175,6 +183,7 @@ class Engine:
             "engine/num_prefix_hit_tokens": counters.num_prefix_hit_tokens,
             "engine/num_decode_tokens": counters.num_decode_tokens,
             "engine/num_preemptions": counters.num_preemptions,
+            "engine/num_ahead_steps": counters.num_ahead_steps,
             "engine/num_steps": times.num_steps,
             "engine/prepare_s": times.prepare_s,
             "engine/device_wait_s": times.device_wait_s,
@@ -202,24 +211,51 @@ class Engine:
             with self._step_lock:
                 if self._sleeping:
                     continue
-                try:
-                    self.step()
-                except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                    log.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(error)
+                self._guarded(self.step)
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            log.exception("engine step failed; failing the requests in flight")
+            self._ahead = None
+            self.runner.state.invalidate()
+            self._fail_all(error)
 
     def step(self) -> None:
         times, start = self.runner.times, time.perf_counter()
-        batch = self.scheduler.schedule()
+        if self._ahead is not None:
+            batch, launched, version = self._ahead
+            self._ahead = None
+        else:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                times.schedule_s += time.perf_counter() - start
+                return
+            launched, version = self.runner.launch(batch), self.version
+        ahead = self.scheduler.schedule_ahead(batch) if self.overlap else None
         times.schedule_s += time.perf_counter() - start
-        if batch is None:
-            return
-        token_ids, logprobs = self.runner.run(batch)
+        if ahead is not None:
+            self._ahead = (ahead, self.runner.launch(ahead), self.version)
+        self._finish(batch, launched, version)
+
+    def _finish_ahead(self) -> None:
+        """The look-ahead step in flight, if any, waited for and its tokens appended."""
+        if self._ahead is not None:
+            batch, launched, version = self._ahead
+            self._ahead = None
+            self._finish(batch, launched, version)
+
+    def _finish(self, batch: ScheduledBatch, launched: Launched, version: int) -> None:
+        """Waits for a launched step; appends its tokens, tagged with the version it was launched under."""
+        token_ids, logprobs = self.runner.wait(launched)
         start = time.perf_counter()
-        finished = self.scheduler.postprocess(batch, token_ids, logprobs, self.version)
+        times = self.runner.times
+        live = [seq.status is not Status.FINISHED for seq in batch.seqs]  # rows postprocess keeps
+        finished = self.scheduler.postprocess(batch, token_ids, logprobs, version)
         if self._streaming:  # before the completions: a stream sees every token, then the end
-            for seq, token_id in zip(batch.seqs, token_ids):
-                if seq.on_token is not None:
+            for seq, token_id, kept in zip(batch.seqs, token_ids, live):
+                if kept and seq.on_token is not None:
                     seq.on_token(token_id)
             self._streaming.difference_update(finished)
         for seq in finished:
@@ -254,6 +290,7 @@ class Engine:
             self._num_exclusive += 1
         try:
             with self._step_lock:
+                self._guarded(self._finish_ahead)
                 yield
         finally:
             with self._cond:

@@ -114,8 +114,9 @@ class BlockManager:
         """Room for the KV of the token at position num_tokens - 1 (written by the next decode)."""
         return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free)
 
-    def may_append(self, seq: Sequence) -> None:
-        if len(seq.block_table) * self.block_size < seq.num_tokens:
+    def may_append(self, seq: Sequence, *, ahead: int = 0) -> None:
+        """Room up to position num_tokens - 1 + ahead (ahead 1: the decode after the next one)."""
+        if len(seq.block_table) * self.block_size < seq.num_tokens + ahead:
             seq.block_table.append(self.take_fresh())
 
     def reset_prefix_cache(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.attention import build_gather_metadata
+from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, varlen_options
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
@@ -41,6 +41,17 @@ class StepTimes:
     postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
 
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device: where its results land (pinned host buffers on CUDA)."""
+
+    token_ids: Tensor  # [B]
+    logprobs: Tensor  # [B]
+    slot: int
+    is_prefill: bool
+    prepare_s: float
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool) -> None:
         self.model = model
@@ -50,15 +61,19 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
+        # flash attention takes 16-bit inputs only; float32 (the tests' GPU-vs-CPU runs) keeps the gather path
+        dtype = model.model.embed_tokens.weight.dtype
+        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and varlen_options() is not None
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
         self.times = StepTimes()
         self.state = DecodeState(self.graph_sizes[-1], self.max_blocks_per_seq, self.vocab_size, self.device)
+        self._slot = 0  # two steps may be in flight (the engine launches the next before waiting): two slots
         if self.is_cuda:  # sampled ids and logprobs land here, both in one wait
-            self._host_ids = torch.empty(self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
-            self._host_logprobs = torch.empty(self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]  # start, sampled, on host
+            self._host_ids = torch.empty(2, self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
+            self._host_logprobs = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
+            self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2)]  # start, sampled, on host
 
     # --- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -96,40 +111,48 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # --- one step ------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        return self.wait(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Queues the step on the device and the copy of its results to the host; returns at once on CUDA."""
         start = time.perf_counter()
+        slot, self._slot = self._slot, 1 - self._slot
         if self.is_cuda:
-            self._events[0].record()
+            self._events[slot][0].record()
         if batch.is_prefill:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
             sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
             token_ids, logprobs = self._sample(self._prefill(batch), sampling)
         else:
             token_ids, logprobs = self._decode(batch.seqs)
-        launched = time.perf_counter()
-        token_list, logprob_list = self._to_host(token_ids, logprobs)
-        if self.is_cuda:
-            self.times.gpu_s += self._events[0].elapsed_time(self._events[1]) / 1000
-        self.times.num_steps += 1
-        self.times.prepare_s += launched - start
-        self.times.device_wait_s += time.perf_counter() - launched
-        if batch.is_prefill:
-            self.times.num_prefill_steps += 1
-            self.times.prefill_s += time.perf_counter() - start
-        return token_list, logprob_list
+        if self.is_cuda:  # both results in one pinned copy each, waited for once
+            self._events[slot][1].record()
+            host_ids, host_logprobs = self._host_ids[slot, : len(token_ids)], self._host_logprobs[slot, : len(token_ids)]
+            host_ids.copy_(token_ids, non_blocking=True)
+            host_logprobs.copy_(logprobs, non_blocking=True)
+            self._events[slot][2].record()
+            token_ids, logprobs = host_ids, host_logprobs
+        prepare = time.perf_counter() - start
+        self.times.prepare_s += prepare
+        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare)
 
-    def _to_host(self, token_ids: Tensor, logprobs: Tensor) -> tuple[list[int], list[float]]:
-        """The step's only wait on the device: both results in one pinned copy each, then one sync."""
-        if not self.is_cuda:
-            return token_ids.tolist(), logprobs.tolist()
-        self._events[1].record()
-        host_ids, host_logprobs = self._host_ids[: len(token_ids)], self._host_logprobs[: len(token_ids)]
-        host_ids.copy_(token_ids, non_blocking=True)
-        host_logprobs.copy_(logprobs, non_blocking=True)
-        self._events[2].record()
-        self._events[2].synchronize()
-        return host_ids.tolist(), host_logprobs.tolist()
+    def wait(self, launched: Launched) -> tuple[list[int], list[float]]:
+        """The step's only wait on the device; its sampled ids and logprobs as lists."""
+        start = time.perf_counter()
+        if self.is_cuda:
+            events = self._events[launched.slot]
+            events[2].synchronize()
+            self.times.gpu_s += events[0].elapsed_time(events[1]) / 1000
+        token_list, logprob_list = launched.token_ids.tolist(), launched.logprobs.tolist()
+        waited = time.perf_counter() - start
+        self.times.num_steps += 1
+        self.times.device_wait_s += waited
+        if launched.is_prefill:
+            self.times.num_prefill_steps += 1
+            self.times.prefill_s += launched.prepare_s + waited
+        return token_list, logprob_list
 
     def _prefill(self, batch: ScheduledBatch) -> Tensor:
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
@@ -137,9 +160,8 @@ class ModelRunner:
         for seq, n in computing:
             input_ids += seq.token_ids[seq.num_tokens - n :]
             positions += range(seq.num_tokens - n, seq.num_tokens)
-        meta = build_gather_metadata(
-            [n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device
-        )
+        build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
+        meta = build([n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device)
         meta.block_size = self.block_size
         # every index crosses to the device before the launch: a copy after it would wait for the forward
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)

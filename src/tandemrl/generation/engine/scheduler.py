@@ -39,6 +39,7 @@ class Counters:
     num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache or shared with a leader
     num_decode_tokens: int = 0
     num_preemptions: int = 0
+    num_ahead_steps: int = 0  # decode steps launched before the previous one's tokens were read
 
 
 class Scheduler:
@@ -124,6 +125,25 @@ class Scheduler:
         self.counters.num_decode_tokens += len(scheduled)
         return ScheduledBatch(seqs=scheduled, num_new_tokens=[1] * len(scheduled), sample_rows=list(range(len(scheduled))), is_prefill=False)
 
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, scheduled before `batch`'s tokens are known, so the engine can
+        launch it while `batch` still runs: the same sequences, each one token further. Only when nothing
+        waits to be admitted, `batch` is a decode of every running sequence, and each has room for that
+        token without a preemption. Rows of sequences that `batch` finishes are computed and discarded."""
+        if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running):
+            return None
+        if any(seq.status is not Status.RUNNING for seq in batch.seqs):
+            return None
+        size = self.blocks.block_size
+        if sum(len(seq.block_table) * size < seq.num_tokens + 1 for seq in batch.seqs) > self.blocks.num_free_blocks:
+            return None
+        for seq in batch.seqs:
+            self.blocks.may_append(seq, ahead=1)
+        self.counters.num_decode_tokens += len(batch.seqs)
+        self.counters.num_ahead_steps += 1
+        n = len(batch.seqs)
+        return ScheduledBatch(seqs=list(batch.seqs), num_new_tokens=[1] * n, sample_rows=list(range(n)), is_prefill=False)
+
     def _preempt(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.blocks.deallocate(seq)
@@ -131,9 +151,12 @@ class Scheduler:
         self.counters.num_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int) -> list[Sequence]:
-        """Appends each sampled token; returns the sequences that finished (their blocks are freed)."""
+        """Appends each sampled token; returns the sequences that finished (their blocks are freed). A row
+        of a sequence that finished before (a look-ahead step, an abort) is dropped."""
         finished = []
         for seq, token_id, logprob in zip(batch.seqs, token_ids, logprobs):
+            if seq.status is Status.FINISHED:
+                continue
             seq.token_ids.append(token_id)
             seq.logprobs.append(logprob)
             seq.policy_versions.append(version)

@@ -121,15 +121,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
             q, k, v = (t.view(len(x), -1, self.head_dim) for t in qkv.split(self.qkv_sizes, dim=-1))
-        if x.is_cuda:  # one fused in-place kernel over the q and k heads of the qkv buffer
-            from tandemrl.generation.engine.triton_kernels import rope_
+        if x.is_cuda:  # one fused kernel: RoPE in place on the qkv buffer, then k and v into the cache
+            from tandemrl.generation.engine.triton_kernels import rope_and_cache_
 
             positions, table = rope
-            rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, table)
+            rope_and_cache_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, table, meta.slot_mapping, self.k_cache, self.v_cache)
         else:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)  # [N, H, D]
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, cached=x.is_cuda)  # [N, H, D]
         return self.o_proj(out.reshape(len(x), -1))
 
 
@@ -141,7 +141,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if x.is_cuda:
+            from tandemrl.generation.engine.triton_kernels import silu_mul
+
+            return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

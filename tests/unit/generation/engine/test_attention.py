@@ -1,0 +1,53 @@
+"""Attention metadata: the varlen path's packed metadata describes the same attention as the gather path's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, gather_attention
+
+# (query_lens, context_lens): whole prompts, a cached prefix (the queries are the last of the context), one query
+CASES = [([2, 1], [2, 3]), ([5, 1, 7, 3], [5, 9, 7, 12])]
+
+
+def _tables(context_lens: list[int], block: int) -> list[list[int]]:
+    tables, next_block = [], 1
+    for n in context_lens:
+        count = -(-n // block) + 1  # one spare block, as a running sequence may hold
+        tables.append(list(range(next_block, next_block + count))[::-1])  # blocks out of order
+        next_block += count
+    return tables
+
+
+def test_the_docstring_example():
+    meta = build_varlen_metadata([2, 1], [2, 3], [[5], [7, 8]], 2, torch.device("cpu"))
+    assert meta.packed_key_slots.tolist() == [10, 11, 14, 15, 16]
+    assert meta.cu_seq_k.tolist() == [0, 2, 5] and meta.cu_seq_q.tolist() == [0, 2, 3]
+    assert meta.slot_mapping.tolist() == [10, 11, 16]
+    assert (meta.max_q, meta.max_k) == (2, 3)
+
+
+def test_varlen_metadata_means_the_same_attention_as_gather():
+    torch.manual_seed(0)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    for query_lens, context_lens in CASES:
+        tables = _tables(context_lens, block)
+        gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cpu"))
+        varlen = build_varlen_metadata(query_lens, context_lens, tables, block, torch.device("cpu"))
+        assert varlen.slot_mapping.tolist() == gather.slot_mapping.tolist()
+        slots = 4 * sum(len(t) for t in tables) + 8
+        k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+        q = torch.randn(sum(query_lens), heads, dim)
+        expected = gather_attention(q, k_cache, v_cache, gather)
+        # what varlen_attn computes: per sequence, causal aligned to the bottom right, GQA
+        got = []
+        for b in range(len(query_lens)):
+            qs = q[varlen.cu_seq_q[b] : varlen.cu_seq_q[b + 1]].transpose(0, 1)  # [H, Q, D]
+            ctx = varlen.packed_key_slots[varlen.cu_seq_k[b] : varlen.cu_seq_k[b + 1]]
+            ks = k_cache[ctx].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, C, D]
+            vs = v_cache[ctx].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+            n_q, n_c = qs.shape[1], ks.shape[1]
+            mask = torch.arange(n_c)[None, :] <= torch.arange(n_q)[:, None] + (n_c - n_q)
+            got.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+        assert torch.allclose(torch.cat(got), expected, atol=1e-5)

@@ -223,21 +223,26 @@ class Engine:
             self._fail_all(error)
 
     def step(self) -> None:
-        times, start = self.runner.times, time.perf_counter()
         if self._ahead is not None:
             batch, launched, version = self._ahead
             self._ahead = None
         else:
-            batch = self.scheduler.schedule()
+            batch = self._timed(self.scheduler.schedule)
             if batch is None:
-                times.schedule_s += time.perf_counter() - start
                 return
             launched, version = self.runner.launch(batch), self.version
-        ahead = self.scheduler.schedule_ahead(batch) if self.overlap else None
-        times.schedule_s += time.perf_counter() - start
+        ahead = self._timed(self.scheduler.schedule_ahead, batch) if self.overlap else None
         if ahead is not None:
             self._ahead = (ahead, self.runner.launch(ahead), self.version)
         self._finish(batch, launched, version)
+
+    def _timed(self, schedule: Callable[..., ScheduledBatch | None], *args) -> ScheduledBatch | None:
+        """`schedule(*args)`, its time counted as scheduling (launches count as `prepare`)."""
+        start = time.perf_counter()
+        try:
+            return schedule(*args)
+        finally:
+            self.runner.times.schedule_s += time.perf_counter() - start
 
     def _finish_ahead(self) -> None:
         """The look-ahead step in flight, if any, waited for and its tokens appended."""

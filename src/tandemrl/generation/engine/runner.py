@@ -37,7 +37,7 @@ class StepTimes:
     gpu_s: float = 0.0  # device busy time from first launch to sampled tokens (CUDA events), 0 on CPU
     num_prefill_steps: int = 0  # of num_steps, those that computed prompt tokens
     prefill_s: float = 0.0  # wall time of those steps (prepare + wait), included in the two above
-    schedule_s: float = 0.0  # written by the engine: scheduler.schedule()
+    schedule_s: float = 0.0  # written by the engine: scheduler.schedule() and schedule_ahead(), launches excluded
     postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
 

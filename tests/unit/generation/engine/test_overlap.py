@@ -5,6 +5,7 @@ rows of finished or aborted sequences are dropped; weight updates and sleep fini
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -167,3 +168,20 @@ def test_postprocess_drops_the_rows_of_finished_sequences(family_dirs):
     finished = scheduler.postprocess(ahead, [9, 10], [-0.5, -0.6], 0)
     assert finished == [] and seqs[0].token_ids == [1, 2, 3, 5, 7] and seqs[1].token_ids == [1, 2, 3, 6, 8, 10]
     assert seqs[0].finish_reason == "abort"
+
+
+def test_scheduling_time_leaves_out_the_launches(family_dirs):
+    """`engine/schedule_s` is the scheduler's time alone: a launch, however slow, is not in it."""
+    engine = make_engine(family_dirs["qwen2"], overlap=True)
+    launch = engine.runner.launch
+
+    def slow_launch(batch):
+        time.sleep(0.2)
+        return launch(batch)
+
+    engine.runner.launch = slow_launch
+    generate_all(engine, [list(range(5, 12)), list(range(7, 20))], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * 2)
+    stats = engine.stats()
+    assert stats["engine/num_ahead_steps"] > 0
+    assert stats["engine/num_steps"] > stats["engine/num_ahead_steps"]  # launches after schedule(), not only ahead
+    assert stats["engine/schedule_s"] < 0.2

@@ -111,9 +111,6 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # --- one step ------------------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
-        return self.wait(self.launch(batch))
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queues the step on the device and the copy of its results to the host; returns at once on CUDA."""

@@ -6,7 +6,7 @@ Leaves live beside the code they configure; the ones here belong to the run as a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
@@ -53,9 +53,9 @@ class DataConfig:
 class RolloutConfig:
     """How completions are produced: backend, placement and sampling."""
 
-    generator: str = "engine"
+    generator: Literal["engine", "hf"] = "engine"
     """Backend in colocate mode: engine (ours; other architectures fall back to hf) or hf (transformers generate)."""
-    rollout_mode: str = "colocate"
+    rollout_mode: Literal["colocate", "server"] = "colocate"
     """colocate (engine in the trainer's process) or server (tandem rollout servers)."""
     rollout_server_urls: tuple[str, ...] = ()
     """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
@@ -71,7 +71,7 @@ class RolloutConfig:
     """Min-p sampling (0 = off)."""
     gpu_memory_utilization: float = 0.4
     """Colocate: fraction of GPU memory the engine may use for its weights and KV cache."""
-    sleep_level: int = 0
+    sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
 
     def __post_init__(self) -> None:
@@ -97,7 +97,7 @@ class RewardConfig:
 class LogConfig:
     """Where metrics and samples go."""
 
-    report_to: tuple[str, ...] = ()
+    report_to: tuple[Literal["wandb", "trackio"], ...] = ()
     """Extra metric sinks beyond JSONL and TensorBoard: wandb, trackio."""
     log_completions_steps: int = 25
     """Print and log a few sample completions every this many steps (0 = never)."""

@@ -1,6 +1,8 @@
 """Flags from leaf configs: one `--name` per dataclass field, its attribute docstring as `--help`.
 
 `--config run.yaml` supplies defaults, flags override; the resolved config is saved with the run.
+Parsing is strict: no abbreviations (`--learning_rat` is an error, never `--learning_rate`), and a bad
+flag or value is one line with a "did you mean" (raised as ValueError, which `tandem` prints, exit 2).
 """
 
 from __future__ import annotations
@@ -8,12 +10,47 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
 from typing import Any
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse without prefix matching, whose errors raise a one-line ValueError instead of a usage dump."""
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("formatter_class", functools.partial(argparse.HelpFormatter, max_help_position=36, width=110))
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ValueError(self._explain(message))
+
+    def _explain(self, message: str) -> str:
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.removeprefix("unrecognized arguments: ").split()
+            flag = next((a.split("=")[0] for a in unknown if a.startswith("-")), None)
+            if flag is None:
+                return f"unexpected value {unknown[0]!r} (every value follows its --flag); see `{self.prog} --help`"
+            flags = [f for f in self._option_string_actions if f not in ("-h", "--help")]
+            return f"unknown flag {flag}{did_you_mean(flag, flags)}; see `{self.prog} --help`"
+        return message
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            hint = did_you_mean(str(value), [str(c) for c in action.choices])
+            raise argparse.ArgumentError(action, f"{value!r} is not one of {choices}{hint}")
+
+
+def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    """Example: did_you_mean("--learning_rat", ["--learning_rate", "--seed"]) -> " (did you mean --learning_rate?)"."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @functools.cache
@@ -41,35 +78,48 @@ def _parser_for(tp: Any) -> tuple[Any, dict[str, Any]]:
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
         return _parser_for(args[0])
     if tp is bool:
-        return _bool, {"nargs": "?", "const": True}
+        return None, {"action": argparse.BooleanOptionalAction}
     if origin is typing.Literal:
-        return type(args[0]), {"choices": list(args)}
+        return type(args[0]), {"choices": list(args), "metavar": "{" + ",".join(map(str, args)) + "}"}
     if origin in (tuple, list):
-        return _parser_for(args[0])[0], {"nargs": "*"}
+        kind, extra = _parser_for(args[0])
+        return kind, {**extra, "nargs": "*"}
     if tp in (int, float, str):
-        return tp, {}
-    return str, {}
+        return tp, {"metavar": {int: "INT", float: "FLOAT", str: "TEXT"}[tp]}
+    return str, {"metavar": "TEXT"}
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None) -> None:
-    """One flag per field of `cls`; defaults are left unset so that yaml and recipes can fill them."""
-    group = parser.add_argument_group(title or cls.__name__)
+def add_config_args(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None, notes: dict[str, str] | None = None) -> None:
+    """One flag per field of `cls`, in a help group titled `title` (default: from the class name); defaults
+    are left unset so that yaml and recipes can fill them. `notes[field]` is appended to a flag's help
+    (e.g. where a task recipe overrides its default)."""
+    group = parser.add_argument_group(title or group_title(cls), (cls.__doc__ or "").split("\n")[0] or None)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         kind, extra = _parser_for(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        group.add_argument(
-            f"--{f.name}", type=kind, default=argparse.SUPPRESS, help=f"{docs.get(f.name, '')} (default: {default})", **extra
-        )
+        parts = [docs.get(f.name, ""), _default_text(default), (notes or {}).get(f.name, "")]
+        help_text = " ".join(p for p in parts if p).replace("%", "%%")
+        if kind is not None:
+            extra["type"] = kind
+        group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **extra)
+
+
+def group_title(cls: type) -> str:
+    """Example: group_title(LocalSyncConfig) -> "Local sync"."""
+    words = re.findall(r"[A-Z][a-z0-9]*|[a-z0-9]+", cls.__name__.removesuffix("Config")) or [cls.__name__]
+    return " ".join([words[0], *(w.lower() for w in words[1:])])
+
+
+def _default_text(default: Any) -> str:
+    """Example: 1e-06 -> "(default: 1e-06)"; True -> "(default: on)"; "" or () -> "" (nothing to show)."""
+    if isinstance(default, bool):
+        return f"(default: {'on' if default else 'off'})"
+    if default is None or default == "" or default == ():
+        return ""
+    shown = " ".join(map(str, default)) if isinstance(default, (tuple, list)) else default
+    return f"(default: {shown})"
 
 
 def build_config(cls: type, values: dict[str, Any]) -> Any:
@@ -103,4 +153,12 @@ def check_known(values: dict[str, Any], classes: list[type], source: str, *, com
     known = {f.name for cls in classes for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}; see `tandem {command} --help`")
+        hint = did_you_mean(unknown[0], known)
+        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}{hint}; see `tandem {command} --help`")
+
+
+def dump_yaml(values: dict[str, Any]) -> str:
+    """A flat {flag: value} as the YAML `--config` reads (tuples as lists), in the given order."""
+    import yaml
+
+    return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}, sort_keys=False)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from tandemrl.cli import frozen_heap
+from tandemrl.cli.args import dump_yaml
 from tandemrl.config import TrainConfig
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
@@ -198,8 +198,6 @@ def _settings(config: TrainConfig) -> LoopSettings:
 
 
 def _save_config(config: TrainConfig, run_dir: Path) -> None:
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in config.to_dict().items()}
-    values["resume"] = False
     tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(values, sort_keys=False))
+    tmp.write_text(dump_yaml({**config.to_dict(), "resume": False}))
     os.replace(tmp, run_dir / "config.yaml")

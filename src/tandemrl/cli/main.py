@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandemrl.cli.args import did_you_mean
+
 COMMANDS = {
     "train": ("tandemrl.cli.train", "train a policy by GRPO-family RL (no arguments: the embedded default)"),
     "rollout": ("tandemrl.cli.rollout", "serve a model for rollouts over HTTP, with versioned weight sync"),
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if argv[0] not in COMMANDS:
-        parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}")
+        hint = did_you_mean(argv[0], COMMANDS)
+        print(f"tandem: error: unknown command {argv[0]!r}{hint}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     import importlib
 
     module = importlib.import_module(COMMANDS[argv[0]][0])

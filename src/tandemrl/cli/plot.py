@@ -5,12 +5,13 @@ RUN_DIR may be `runs/latest` (a symlink the trainer keeps to the newest run) or 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+
+from tandemrl.cli.args import ArgumentParser
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tandem plot", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="tandem plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl, e.g. runs/latest")
     parser.add_argument("--out", default=None, help="where to write the PNG (default: RUN_DIR/dashboard.png)")
     args = parser.parse_args(argv)

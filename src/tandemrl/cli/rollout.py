@@ -6,21 +6,20 @@ loads), imports torch and the backend after, binds, then prints one line with th
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
 from typing import Any
 
 from tandemrl.cli import frozen_heap
-from tandemrl.cli.args import add_config_args, build_config, check_known, load_yaml
+from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, load_yaml
 from tandemrl.server.config import RolloutServerConfig
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tandem rollout", description="Serve a model for rollouts over HTTP, with versioned weight sync.")
-    parser.add_argument("--config", help="YAML file of flag defaults; flags override it")
-    add_config_args(parser, RolloutServerConfig, title="server")
+    parser = ArgumentParser(prog="tandem rollout", usage="tandem rollout --model MODEL [--FLAG VALUE ...]", description="Serve a model for rollouts over HTTP, with versioned weight sync.")
+    parser.add_argument("--config", metavar="YAML", help="YAML file of flag defaults; flags override it")
+    add_config_args(parser, RolloutServerConfig, title="Server")
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
     values: dict[str, Any] = load_yaml(config_path) if config_path else {}

@@ -10,28 +10,62 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tandemrl.cli.args import add_config_args, build_config, check_known, load_yaml
+from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, dump_yaml, load_yaml
 from tandemrl.config import LEAVES, TrainConfig
+
+# Help-group titles by leaf class name; a leaf not named here gets one from its class name.
+TITLES = {
+    "RunConfig": "Task and model",
+    "DataConfig": "Data",
+    "RolloutConfig": "Generation",
+    "RewardConfig": "Rewards",
+    "AlgoConfig": "Algorithm",
+    "TrainerConfig": "Optimizer and training",
+    "CheckpointConfig": "Run directory and checkpoints",
+    "LogConfig": "Logging",
+    "LocalSyncConfig": "Weight sync (colocate)",
+    "DistributedSyncConfig": "Weight sync (server mode)",
+}
 
 
 def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
-    """The resolved config and the raw flag values (for logs)."""
-    parser = argparse.ArgumentParser(
+    """The resolved config and the raw flag values (for logs); `--print_config` is among the flags."""
+    parser = ArgumentParser(
         prog="tandem train",
+        usage="tandem train [--config YAML] [--print_config] [--FLAG VALUE ...]",
         description="Train a policy by GRPO-family RL. With no arguments: the embedded default "
-        "(a tiny policy built in code learns the synthetic task on a CPU in a few minutes).",
+        "(a tiny policy built in code learns the synthetic task on a CPU in about a minute).",
     )
-    parser.add_argument("--config", default=None, help="YAML file of flag: value defaults (flags override)")
+    parser.add_argument("--config", default=None, metavar="YAML", help="YAML file of flag: value defaults (flags override)")
+    parser.add_argument("--print_config", action="store_true", help="print the resolved configuration as YAML and exit")
+    notes = recipe_notes()
     for leaf in LEAVES:
-        add_config_args(parser, leaf)
+        add_config_args(parser, leaf, title=TITLES.get(leaf.__name__), notes=notes)
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config")
     values = load_yaml(config_path) if config_path else {}
     check_known(values, list(LEAVES), config_path or "", command="train")
-    values = resolve(values, flags)
+    values = resolve(values, {k: v for k, v in flags.items() if k != "print_config"})
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     leaves = {name: build_config(leaf, values) for name, leaf in zip(fields, LEAVES)}
     return TrainConfig(**leaves), flags
+
+
+def recipe_notes() -> dict[str, str]:
+    """Per flag, the tasks whose recipe overrides its default, for --help.
+
+    Example: {"learning_rate": "[task synthetic (the default): 0.001]", ...}
+    """
+    from tandemrl.tasks import TASKS, get_task
+
+    defaults = TrainConfig().to_dict()
+    found: dict[str, list[str]] = {}
+    for name in TASKS:
+        for flag, value in get_task(name).recipe.items():
+            if defaults.get(flag) != value:
+                label = "task synthetic (the default)" if name == "synthetic" else f"task {name}"
+                found.setdefault(flag, []).append(f"{label}: {value}")
+    return {flag: f"[{'; '.join(parts)}]" for flag, parts in found.items()}
 
 
 def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +86,10 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
 
 
 def main(argv: list[str]) -> int:
-    config, _ = parse(argv)
+    config, flags = parse(argv)
+    if flags.get("print_config"):
+        print(dump_yaml(config.to_dict()), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -33,7 +33,7 @@ class RolloutServerConfig:
     """Fraction of GPU memory the engine may use (weights + KV cache)."""
     max_model_len: int = 4096
     """Longest prompt + completion a request may have (capped by the model's positions)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype: auto, float32, bfloat16 or float16."""
     device: str = "auto"
     """Device: auto (cuda if present), cpu or cuda."""

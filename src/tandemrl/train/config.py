@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -19,7 +20,7 @@ class TrainerConfig:
     """AdamW beta2."""
     warmup_steps: int = 0
     """Linear warm-up steps from 0 to the peak learning rate."""
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """After warm-up: constant, linear (to 0 at max_steps) or cosine (to 0 at max_steps)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
@@ -30,7 +31,7 @@ class TrainerConfig:
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     """Policy (master) weights and optimizer state: float32, or bfloat16 (then updates below bfloat16's
     resolution, e.g. lr 1e-6 on O(1e-2) weights, round to nothing)."""
     bf16: bool = True

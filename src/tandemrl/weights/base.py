@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -43,9 +43,9 @@ class DistributedSyncConfig:
     """Size of the flattened buckets tensors travel in."""
     weight_sync_timeout_s: float = 120.0
     """Deadline of every collective: a dead peer becomes an error within it."""
-    update_mode: str = "drain"
+    update_mode: Literal["drain", "pause"] = "drain"
     """drain (finish in-flight requests, then update) or pause (freeze them between decode steps)."""
-    weight_sync_backend: str = "auto"
+    weight_sync_backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
     """auto (gloo for CPU weights, CUDA IPC when every server shares the trainer's GPU, else nccl), gloo, nccl or ipc."""
     weight_sync_host: str = ""
     """Trainer address the servers connect to (default: the local address that routes to the first server)."""

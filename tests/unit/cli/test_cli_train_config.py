@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import pytest
 
 from tandemrl.cli.args import field_docs
@@ -41,3 +44,22 @@ def test_every_flag_has_help_and_flag_names_are_unique():
     for leaf in LEAVES:
         docs = field_docs(leaf)
         assert all(docs.get(name) for name in leaf.__dataclass_fields__), leaf.__name__
+
+
+def test_a_field_added_later_gets_its_flag_group_and_help_without_edits():
+    from tandemrl.cli.args import ArgumentParser, add_config_args
+
+    @dataclasses.dataclass(kw_only=True)
+    class NewThingConfig:
+        """A leaf someone adds later."""
+
+        mode: Literal["a", "b"] = "a"
+        """Which mode."""
+        enabled: bool = False
+        """Whether it is on."""
+
+    parser = ArgumentParser(prog="t")
+    add_config_args(parser, NewThingConfig)
+    text = parser.format_help()
+    assert "New thing:" in text and "--mode {a,b}" in text and "--enabled, --no-enabled" in text
+    assert vars(parser.parse_args(["--mode", "b", "--enabled"])) == {"mode": "b", "enabled": True}

@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
+from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
+
+_SAMPLING = SamplingParams()  # the sampling flags' defaults are SamplingParams' own
 
 
 @dataclass(kw_only=True)
@@ -61,13 +64,13 @@ class RolloutConfig:
     """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
     rollout_server_timeout: float = 240.0
     """Server mode: seconds to wait for the servers to be ready before one clear error."""
-    temperature: float = 1.0
+    temperature: float = _SAMPLING.temperature
     """Sampling temperature (the trainer's logprobs use the same)."""
-    top_p: float = 1.0
+    top_p: float = _SAMPLING.top_p
     """Nucleus sampling threshold."""
-    top_k: int = -1
+    top_k: int = _SAMPLING.top_k
     """Top-k sampling (-1 = off)."""
-    min_p: float = 0.0
+    min_p: float = _SAMPLING.min_p
     """Min-p sampling (0 = off)."""
     gpu_memory_utilization: float = 0.4
     """Colocate: fraction of GPU memory the engine may use for its weights and KV cache."""

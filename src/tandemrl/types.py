@@ -13,9 +13,27 @@ FinishReason = Literal["stop", "length", "abort"]
 Message = dict[str, Any]
 
 
+# The one sampling contract: every limit and rule of SamplingParams is here. The server's schemas
+# (server/wire.py, server/openai.py) state the same ranges from SAMPLING_BOUNDS and convert to
+# SamplingParams, so whatever a caller builds is legal for every Generator and every server.
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+GREEDY_EPS = 1e-5  # below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line)
+SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's ge/gt/le, inclusive unless gt
+    "max_tokens": {"ge": 1},
+    "temperature": {"ge": 0, "le": MAX_TEMPERATURE},
+    "top_p": {"gt": 0, "le": 1},
+    "top_k": {"ge": -1},  # -1 = off; 0 is illegal (see __post_init__)
+    "min_p": {"ge": 0, "le": 1},
+    "seed": {"ge": 0, "le": MAX_SEED},
+}
+SAMPLING_MAX_ITEMS: dict[str, int] = {"stop_token_ids": 64, "stop": 16}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
-    """How one completion is sampled. Validated here, so every Generator sees only legal values."""
+    """How one completion is sampled. Validated here, so every Generator sees only legal values, and
+    a temperature below GREEDY_EPS becomes 0 (greedy)."""
 
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
@@ -28,16 +46,35 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name, bound in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not _within(value, bound):
+                raise ValueError(f"{name} must be {_describe(bound)}, got {value}")
+        for name, most in SAMPLING_MAX_ITEMS.items():
+            if len(getattr(self, name)) > most:
+                raise ValueError(f"{name} takes at most {most} items, got {len(getattr(self, name))}")
+        if 0 < self.temperature < GREEDY_EPS:
+            object.__setattr__(self, "temperature", 0.0)  # frozen: the one rewrite, at construction
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k, top-p or min-p excludes tokens (plain temperature sampling does not)."""
+        return self.top_p < 1.0 or self.min_p > 0.0 or self.top_k != -1
+
+
+def _within(value: float, bound: dict[str, float]) -> bool:
+    return (
+        ("ge" not in bound or value >= bound["ge"])
+        and ("gt" not in bound or value > bound["gt"])
+        and ("le" not in bound or value <= bound["le"])
+    )
+
+
+def _describe(bound: dict[str, float]) -> str:
+    """Example: {"gt": 0, "le": 1} -> "> 0 and <= 1"."""
+    return " and ".join(f"{ {'ge': '>=', 'gt': '>', 'le': '<='}[k]} {v}" for k, v in bound.items())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,8 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
-from tandemrl.generation.remote_client import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
-from tandemrl.server.wire import GREEDY_EPS, ChatMessage, per_sample
+from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
 from tandemrl.types import Completion, SamplingParams
 
 
@@ -32,17 +31,17 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we have no use for
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=256)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    temperature: float | None = sampling_field("temperature", None)
+    top_p: float | None = sampling_field("top_p", None)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = sampling_field("stop", None)
+    seed: int | None = sampling_field("seed")
     stream: bool = False
-    top_k: int = Field(-1, ge=-1, description="tandem extension: -1 = off.")
-    min_p: float = Field(0.0, ge=0, le=1, description="tandem extension.")
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="tandem extension.")
-    ignore_eos: bool = Field(False, description="tandem extension.")
+    top_k: int = sampling_field("top_k", description="tandem extension: -1 = off.")
+    min_p: float = sampling_field("min_p", description="tandem extension.")
+    stop_token_ids: list[int] = sampling_field("stop_token_ids", description="tandem extension.")
+    ignore_eos: bool = sampling_field("ignore_eos", description="tandem extension.")
 
 
 class CompletionRequest(_Common):
@@ -90,19 +89,9 @@ def _prompt_list(prompt: Any, prompter: Prompter) -> list[list[int]]:
 
 
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
+    """Unset OpenAI fields take SamplingParams' defaults; `stop` may be one string."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    temperature = 1.0 if body.temperature is None else body.temperature
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0 if temperature < GREEDY_EPS else temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        stop_token_ids=tuple(body.stop_token_ids),
-        stop=tuple(stop),
-        ignore_eos=body.ignore_eos,
-        seed=body.seed,
-    )
+    return to_sampling_params(body, max_tokens=max_tokens, stop=stop)
 
 
 async def _respond(service: RolloutService, prompter: Prompter, request: Request, body: Any, prompts: list[list[int]], params: list[SamplingParams], *, chat: bool) -> Any:

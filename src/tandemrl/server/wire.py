@@ -11,11 +11,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandemrl.generation.remote_batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
-from tandemrl.generation.remote_client import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
-from tandemrl.types import SamplingParams
+from tandemrl.types import MAX_SEED, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
 
-# Below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line).
-GREEDY_EPS = 1e-5
+_DEFAULTS = SamplingParams()
+MAX_N = 256  # samples of one prompt in one request (native and OpenAI routes)
+
+
+def sampling_field(name: str, default: Any = ..., **schema: Any) -> Any:
+    """A pydantic Field stating SamplingParams' range of `name` (its default unless given), so the
+    OpenAPI schema shows it and an out-of-range value is a 422 naming the field."""
+    default = getattr(_DEFAULTS, name) if default is ... else default
+    limits: dict[str, Any] = {**SAMPLING_BOUNDS.get(name, {})}
+    if name in SAMPLING_MAX_ITEMS:
+        limits["max_length"] = SAMPLING_MAX_ITEMS[name]
+    if isinstance(default, tuple):
+        return Field(default_factory=list, **limits, **schema)
+    return Field(default, **limits, **schema)
 
 
 class Sampling(BaseModel):
@@ -23,31 +34,24 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(256, ge=1, description="Most tokens to sample.")
-    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="-1 = off; 0 is invalid.")
-    min_p: float = Field(0.0, ge=0, le=1)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    max_tokens: int = sampling_field("max_tokens", description="Most tokens to sample.")
+    temperature: float = sampling_field("temperature", description="0 = greedy.")
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k", description="-1 = off; 0 is invalid.")
+    min_p: float = sampling_field("min_p")
+    stop_token_ids: list[int] = sampling_field("stop_token_ids")
+    stop: list[str] = sampling_field("stop")
+    ignore_eos: bool = sampling_field("ignore_eos")
+    seed: int | None = sampling_field("seed")
 
 
 def to_sampling_params(s: Any, **overrides: Any) -> SamplingParams:
-    """SamplingParams from a Sampling-shaped model; raises ValueError (-> 400) on illegal values."""
-    fields = dict(
-        max_tokens=s.max_tokens,
-        temperature=0.0 if s.temperature < GREEDY_EPS else s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        stop_token_ids=tuple(s.stop_token_ids),
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-        seed=s.seed,
-    )
+    """SamplingParams from a model with SamplingParams' fields (None = SamplingParams' default);
+    raises ValueError (-> 400) on illegal values."""
+    fields = {f.name: v for f in dataclasses.fields(SamplingParams) if (v := getattr(s, f.name, None)) is not None}
     fields.update(overrides)
+    for name in ("stop_token_ids", "stop"):
+        fields[name] = tuple(fields.get(name, ()))
     return SamplingParams(**fields)
 
 
@@ -87,7 +91,7 @@ class Prompted(Sampling):
 class GenerateRequest(Prompted):
     """One prompt, `n` samples. `is_async`: answer ids at once."""
 
-    n: int = Field(1, ge=1, le=256, description="Samples of this prompt; one request id each.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Samples of this prompt; one request id each.")
     is_async: bool = Field(False, description="True: answer request ids at once; collect the results later.")
 
 

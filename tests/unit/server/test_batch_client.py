@@ -87,9 +87,6 @@ def test_a_bad_call_fails_alone():
     gen, posts = generator(lambda _, items: httpx.Response(200, content=b"".join(refuse(i) if i["prompt_ids"] == [9] else line(i) for i in items)))
     ok, bad_on_server = run(gen, [[1], [9]])
     assert ok.token_ids == [1, 1] and isinstance(bad_on_server, ServerError) and bad_on_server.status == 400
-    gen, posts = generator(lambda _, items: httpx.Response(200, content=b"".join(map(line, items))))
-    assert isinstance(run(gen, [[1]], SamplingParams(temperature=500.0))[0], ValueError)  # the server's schema refuses it
-    assert posts == []
 
 
 def test_a_garbled_answer_fails_its_calls_instead_of_hanging():

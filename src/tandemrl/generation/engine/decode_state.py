@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from tandemrl.generation.engine.attention import AttentionMetadata, decode_gather_metadata
-from tandemrl.generation.engine.sampler import SamplingTensors, row_keys
+from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sampling_rows
 from tandemrl.generation.engine.sequence import Sequence
 
 # rows of the packed int64 state; one packed tensor so a rebuild is one host-to-device copy
@@ -56,11 +56,11 @@ class DecodeState:
 
     def reset(self) -> None:
         """Every row padded (graph capture runs on this); forgets the batch."""
+        top_k, floats, _ = sampling_rows([], self.vocab_size, pad=self.ints.shape[1])
         self.ints.zero_()
         self.ints[LENS] = 1
-        self.ints[TOP_K] = self.vocab_size
-        self.floats.zero_()
-        self.floats[0:2] = 1.0
+        self.ints[TOP_K] = torch.tensor(top_k)
+        self.floats.copy_(torch.tensor(floats, dtype=torch.float32))
         self.block_tables.zero_()
         self.valid = False
 
@@ -96,21 +96,19 @@ class DecodeState:
 
     def _write_all(self, seqs: list[Sequence], rows: int) -> None:
         pad = rows - len(seqs)
-        params = [s.params for s in seqs]
+        top_k, floats, self.needs_filter = sampling_rows([s.params for s in seqs], self.vocab_size, pad=pad)
         ints = [
             [s.token_ids[-1] for s in seqs] + [0] * pad,
             [s.num_tokens - 1 for s in seqs] + [0] * pad,
             [s.num_tokens for s in seqs] + [1] * pad,
             [s.seed for s in seqs] + [0] * pad,
             [1] * len(seqs) + [0] * pad,
-            [self.vocab_size if p.top_k == -1 else p.top_k for p in params] + [self.vocab_size] * pad,
+            top_k,
         ]
-        floats = [[p.temperature for p in params] + [1.0] * pad, [p.top_p for p in params] + [1.0] * pad, [p.min_p for p in params] + [0.0] * pad]
         _stage(self._host_ints, torch.tensor(ints), self.ints[:, :rows])
         _stage(self._host_floats, torch.tensor(floats, dtype=torch.float32), self.floats[:, :rows])
         self._write_tables(seqs, rows)
         self.seqs, self.rows = list(seqs), rows
-        self.needs_filter = any(p.top_p < 1.0 or p.min_p > 0.0 or p.top_k != -1 for p in params)
 
     def _write_tables(self, seqs: list[Sequence], rows: int) -> None:
         # columns past a sequence's table are never read (bounded by its context length), so only the

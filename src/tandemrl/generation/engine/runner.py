@@ -20,7 +20,7 @@ from torch import Tensor
 from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, varlen_options
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
-from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
+from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -214,18 +214,12 @@ class ModelRunner:
 
     # --- sampling ------------------------------------------------------------------------------------
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.params for s in seqs]
-        top_k = [self.vocab_size if p.top_k == -1 else p.top_k for p in params]
-        needs_filter = any(p.top_p < 1.0 or p.min_p > 0.0 or p.top_k != -1 for p in params)
+        top_k, floats, needs_filter = sampling_rows([s.params for s in seqs], self.vocab_size)
         keys = row_keys(torch.tensor([s.seed for s in seqs]), torch.tensor([s.num_tokens for s in seqs]))
         to = dict(device=self.device, non_blocking=True)
+        temperatures, top_p, min_p = torch.tensor(floats, dtype=torch.float32).to(**to)
         return SamplingTensors(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(**to),
-            top_k=torch.tensor(top_k).to(**to),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(**to),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(**to),
-            keys=keys.to(**to),
-            needs_filter=needs_filter,
+            temperatures=temperatures, top_k=torch.tensor(top_k).to(**to), top_p=top_p, min_p=min_p, keys=keys.to(**to), needs_filter=needs_filter
         )
 
     def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor]:

@@ -16,9 +16,13 @@ log_softmax of the raw logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from tandemrl.types import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
@@ -56,6 +60,18 @@ class SamplingTensors:
     min_p: Tensor  # [B] float32
     keys: Tensor  # [B] int64 noise keys
     needs_filter: bool  # any row with top-k, top-p or min-p
+
+
+def sampling_rows(params: list[SamplingParams], vocab_size: int, *, pad: int = 0) -> tuple[list[int], list[list[float]], bool]:
+    """The one place SamplingParams become the engine's per-row numbers: top_k ([B + pad], V when
+    off), [temperature, top_p, min_p] ([3, B + pad]) and whether any row filters. A padded row samples
+    at temperature 1, unfiltered.
+
+    Example: sampling_rows([SamplingParams(top_k=5)], 16, pad=1) -> ([5, 16], [[1, 1], [1, 1], [0, 0]], True)
+    """
+    top_k = [vocab_size if p.top_k == -1 else p.top_k for p in params] + [vocab_size] * pad
+    floats = [[p.temperature for p in params] + [1.0] * pad, [p.top_p for p in params] + [1.0] * pad, [p.min_p for p in params] + [0.0] * pad]
+    return top_k, floats, any(p.filters for p in params)
 
 
 def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:

@@ -1,0 +1,55 @@
+"""The sampling contract: SamplingParams holds every limit and rule, and the server's schemas state the same."""
+
+import dataclasses
+
+import pytest
+
+from tandemrl.server.openai import CompletionRequest
+from tandemrl.server.wire import BatchItem, Sampling, to_sampling_params
+from tandemrl.types import GREEDY_EPS, MAX_SEED, MAX_TEMPERATURE, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "fields, word",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": MAX_TEMPERATURE * 2}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": MAX_SEED + 1}, "seed"),
+        ({"stop": ("x",) * (SAMPLING_MAX_ITEMS["stop"] + 1)}, "stop"),
+        ({"stop_token_ids": (1,) * (SAMPLING_MAX_ITEMS["stop_token_ids"] + 1)}, "stop_token_ids"),
+    ],
+)
+def test_illegal_sampling_params_raise_naming_the_field(fields, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**fields)
+
+
+def test_a_temperature_below_greedy_eps_is_greedy():
+    assert SamplingParams(temperature=GREEDY_EPS / 2).temperature == 0.0
+    assert SamplingParams(temperature=GREEDY_EPS).temperature == GREEDY_EPS
+
+
+def test_the_wire_schemas_state_sampling_params_ranges_and_defaults():
+    for model in (Sampling, CompletionRequest):
+        schema = model.model_json_schema()["properties"]
+        for name, bound in SAMPLING_BOUNDS.items():
+            text = str(schema[name])
+            for key, word in (("ge", "'minimum'"), ("gt", "'exclusiveMinimum'"), ("le", "'maximum'")):
+                if key in bound:
+                    assert f"{word}: {bound[key]}" in text, (model, name, text)
+        for name, most in SAMPLING_MAX_ITEMS.items():
+            assert f"': {most}" in str(schema[name])  # maxItems (a list), maxLength (OpenAI's str | list)
+    assert to_sampling_params(Sampling()) == SamplingParams()
+
+
+def test_any_legal_sampling_params_is_a_legal_wire_item():
+    params = SamplingParams(temperature=MAX_TEMPERATURE, top_k=1, seed=MAX_SEED, stop=("x",) * SAMPLING_MAX_ITEMS["stop"])
+    item = BatchItem(prompt_ids=[1], request_id="a", **dataclasses.asdict(params))
+    assert to_sampling_params(item) == params

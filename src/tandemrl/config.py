@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
+from tandemrl.rollout.env import ToolsConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
 from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
@@ -110,7 +111,7 @@ class LogConfig:
 
 LEAVES = (
     RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
-    LocalSyncConfig, DistributedSyncConfig,
+    LocalSyncConfig, DistributedSyncConfig, ToolsConfig,
 )
 
 
@@ -128,6 +129,7 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     local_sync: LocalSyncConfig = field(default_factory=LocalSyncConfig)
     distributed_sync: DistributedSyncConfig = field(default_factory=DistributedSyncConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config."""

@@ -138,16 +138,30 @@ class RolloutStatus(enum.Enum):
     ERROR = "error"  # the rollout raised; logged with its traceback, never trained
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Turn:
+    """One assistant turn of a rollout: where its sampled tokens sit in the trace, and who sampled them."""
+
+    start: int  # its first token's index in the trace
+    end: int  # one past its last token
+    policy_version: int  # version of the weights that produced its first token
+    finish_reason: FinishReason
+
+
 @dataclass(kw_only=True, slots=True)
 class Rollout:
-    """A conversation played to its end. The rollout runner writes trace, text and status; the
-    rewards step writes `rewards` (one entry per reward function, None = not applicable) and `reward`."""
+    """A conversation played to its end. The rollout runner writes trace, text, messages, turns and
+    status; the rewards step writes `rewards` (one entry per reward function, None = not applicable)
+    and `reward`. `messages` (multi-turn only) is the conversation after the prompt, as chat messages:
+    assistant turns (with the `tool_calls` parsed from them) and the environment's answers."""
 
     example: Example
     trace: TokenTrace
     completion_text: str = ""
     finish_reason: FinishReason = "stop"
     status: RolloutStatus = RolloutStatus.OK
+    messages: list[Message] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
     rewards: dict[str, float | None] = field(default_factory=dict)
     reward: float = 0.0
 

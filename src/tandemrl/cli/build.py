@@ -22,11 +22,14 @@ from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
 from tandemrl.rewards.base import load_reward_funcs
+from tandemrl.rollout.chat import ChatFormat
+from tandemrl.rollout.env import open_tool_env
+from tandemrl.rollout.run import MultiTurn
 from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import SamplingParams
+from tandemrl.types import Example, SamplingParams
 from tandemrl.weights.base import build_weight_sync
 
 log = logging.getLogger(__name__)
@@ -41,8 +44,9 @@ def run(config: TrainConfig) -> Path:
     checkpoint = _resume_point(config, run_dir)
     torch.manual_seed(config.run.seed)
     tokenizer, model = _policy(config, checkpoint)
+    _check_conversation_length(config, model)
     task = _task(config)
-    examples, prompt_ids = _data(config, task, tokenizer)
+    examples = _data(config, task)
     reward_funcs = _rewards(config, task)
     trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
@@ -55,7 +59,7 @@ def run(config: TrainConfig) -> Path:
     generator, sync = _rollout_side(config, model, tokenizer)
     _save_config(config, run_dir)
     parts = LoopParts(
-        examples=examples, prompt_ids=prompt_ids, cursor=cursor, generator=generator, sync=sync, trainer=trainer,
+        examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task), params=_sampling(config),
         logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
         progress=Progress(config.run.max_steps, start_step=start_step), run_dir=run_dir,
@@ -64,18 +68,26 @@ def run(config: TrainConfig) -> Path:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         with frozen_heap():
-            asyncio.run(_main(parts, _settings(config), start_step))
+            asyncio.run(_main(parts, _settings(config), start_step, config))
     finally:
         parts.progress.close()
         parts.logger.close()
     return run_dir
 
 
-async def _main(parts: LoopParts, settings: LoopSettings, start_step: int) -> None:
+async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig) -> None:
     # the generator must hold the trainer's current version before the first rollout (resume, servers)
     await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
     try:
-        await run_loop(parts, settings, start_step=start_step)
+        async with open_tool_env(config.tools) as env:  # MCP sessions: opened once, closed when the run ends
+            tools = env.tools if env is not None else None
+            parts.prompt_ids = _prompt_ids(config, parts.examples, parts.tokenizer, tools)
+            if env is not None:
+                parts.multi_turn = MultiTurn(
+                    env=env, chat=ChatFormat(parts.tokenizer, tools), max_turns=config.tools.max_turns,
+                    max_total_tokens=config.tools.max_total_tokens,
+                )
+            await run_loop(parts, settings, start_step=start_step)
     finally:
         await parts.sync.close()
         await parts.generator.close()
@@ -115,6 +127,17 @@ def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
     return load_tokenizer(source), load_model(source, dtype=dtype, device=device)
 
 
+def _check_conversation_length(config: TrainConfig, model: Any) -> None:
+    if not config.tools.enabled:
+        return
+    limit = getattr(model.config, "max_position_embeddings", None) or config.tools.max_total_tokens
+    if not config.data.max_prompt_length < config.tools.max_total_tokens <= limit:
+        raise ValueError(
+            f"--max_total_tokens {config.tools.max_total_tokens} must exceed --max_prompt_length {config.data.max_prompt_length} "
+            f"and fit the model's {limit} positions; change one of them"
+        )
+
+
 def _task(config: TrainConfig) -> Task | None:
     """The built-in task, once; --dataset points it at a local or other copy of its data."""
     if not config.run.task:
@@ -123,19 +146,22 @@ def _task(config: TrainConfig) -> Task | None:
     return get_task(config.run.task, **options)
 
 
-def _data(config: TrainConfig, task: Task | None, tokenizer: Any) -> tuple[list, list[list[int]]]:
+def _data(config: TrainConfig, task: Task | None) -> list[Example]:
     if task is not None:  # a task reads its own data format
-        examples = task.load()
-    elif config.data.dataset:
-        examples = load_examples(config.data.dataset, split=config.data.dataset_split)
-    else:
-        raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
+        return task.load()
+    if config.data.dataset:
+        return load_examples(config.data.dataset, split=config.data.dataset_split)
+    raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
+
+
+def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, tools: list[dict] | None) -> list[list[int]]:
+    """Every prompt in tokens, with the tools' schemas when there are tools (known once MCP servers answer)."""
     prompt_ids = []
     for example in examples:
-        ids = encode_prompt(tokenizer, example.prompt)
+        ids = encode_prompt(tokenizer, example.prompt, tools=tools)
         check_prompt_length(ids, config.data.max_prompt_length, example.index)
         prompt_ids.append(ids)
-    return examples, prompt_ids
+    return prompt_ids
 
 
 def _rewards(config: TrainConfig, task: Task | None) -> list:
@@ -171,6 +197,8 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
     device = config.trainer.device
     if r.generator == "engine":  # sized for this run: one step's sequences, each as long as it may get
         max_model_len = config.data.max_prompt_length + config.algo.max_completion_length
+        if config.tools.enabled:
+            max_model_len = max(max_model_len, config.tools.max_total_tokens)
         max_num_seqs = min(EngineConfig.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations)
         backend: EngineConfig | HFConfig = EngineConfig(
             device=device, seed=config.run.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

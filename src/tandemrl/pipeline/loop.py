@@ -23,7 +23,8 @@ from tandemrl.generation.base import Generator
 from tandemrl.logging.metrics import MetricsLogger
 from tandemrl.logging.progress import Progress
 from tandemrl.rewards.base import RewardFunc, score
-from tandemrl.rollout.group import failed, play_group
+from tandemrl.rollout.group import failed, play_group, turn_metrics
+from tandemrl.rollout.run import MultiTurn, conversation_of
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Batch, Example, Group, SamplingParams
@@ -63,6 +64,7 @@ class LoopParts:
     logger: MetricsLogger
     progress: Progress
     run_dir: Path
+    multi_turn: MultiTurn | None = None  # tools: rollouts play turns until the model stops calling them
 
 
 async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int = 0) -> dict[str, float]:
@@ -90,6 +92,7 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
         play_group(
             parts.examples[i], parts.prompt_ids[i], generator=parts.generator, params=parts.params,
             group_size=settings.num_generations, tokenizer=parts.tokenizer, seed=seed0 + p * settings.num_generations,
+            multi_turn=parts.multi_turn,
         )
         for p, i in enumerate(indices)
     ))
@@ -105,7 +108,7 @@ async def score_groups(groups: list[Group], funcs: list[RewardFunc], weights: li
         return
     columns = {key: [r.example.columns[key] for r in rollouts] for key in rollouts[0].example.columns}
     prompts = [r.example.prompt for r in rollouts]
-    totals, values = await score(funcs, weights, prompts, [r.completion_text for r in rollouts], columns)
+    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns)
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}
@@ -123,6 +126,7 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
     for g, adv in zip(ok, advantages.tolist()):
         g.advantages = adv
     metrics.update(reward_metrics(ok))
+    metrics.update(turn_metrics(ok))
     metrics["frac_reward_zero_std"] = float(flat.float().mean())
     metrics["rollout/max_policy_lag"] = float(max_policy_lag(ok, version))
     trained = [g for g, f in zip(ok, flat.tolist()) if not (f and settings.drop_zero_variance_groups)]

@@ -8,17 +8,14 @@ reward function (an `async def` that calls a Generator), loaded and scored like 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
 
 USAGE = "use one of math_accuracy, format, length, or module:function / path/file.py:function"
@@ -114,33 +111,7 @@ def _load_one(name: str) -> RewardFunc:
         return RewardFunc(name=name, fn=BUILTINS[name])
     if ":" not in name:
         raise ValueError(f"unknown reward function '{name}'; {USAGE}")
-    source, attr = name.rsplit(":", 1)
-    module = _load_file(source, name) if source.endswith(".py") else _import(source, name)
-    fn = getattr(module, attr, None)
+    fn = load_object(name, what="reward function")
     if not callable(fn):
-        raise ValueError(
-            f"reward function '{name}': '{source}' has no function '{attr}'; check the name after the colon"
-        )
-    return RewardFunc(name=attr, fn=fn)
-
-
-def _import(module_name: str, name: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as error:
-        reason = f"cannot import '{module_name}' ({error})"
-        raise ValueError(f"reward function '{name}': {reason}; install it or put it on PYTHONPATH") from None
-
-
-def _load_file(path: str, name: str) -> Any:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"reward function '{name}': file '{path}' does not exist; pass an existing path/file.py:function"
-        )
-    module_name = "tandem_reward_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling inside the file look themselves up here
-    spec.loader.exec_module(module)
-    return module
+        raise ValueError(f"reward function '{name}' is not a function; name a function after the colon")
+    return RewardFunc(name=name.rsplit(":", 1)[1], fn=fn)

@@ -12,18 +12,19 @@ import logging
 from typing import Any
 
 from tandemrl.generation.base import Generator
-from tandemrl.rollout.run import play
+from tandemrl.rollout.run import MultiTurn, play
 from tandemrl.types import Example, Group, RolloutStatus, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 async def play_group(
-    example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, group_size: int, tokenizer: Any, seed: int
+    example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, group_size: int, tokenizer: Any, seed: int,
+    multi_turn: MultiTurn | None = None,
 ) -> Group:
     """G rollouts of `example`; rollout g samples with seed `seed + g`, so a run is reproducible."""
     plays = [
-        play(example, prompt_ids, generator=generator, params=dataclasses.replace(params, seed=seed + g), tokenizer=tokenizer)
+        play(example, prompt_ids, generator=generator, params=dataclasses.replace(params, seed=seed + g), tokenizer=tokenizer, multi_turn=multi_turn)
         for g in range(group_size)
     ]
     try:
@@ -36,3 +37,17 @@ async def play_group(
 
 def failed(group: Group) -> bool:
     return not group.rollouts or any(r.status is RolloutStatus.ERROR for r in group.rollouts)
+
+
+def turn_metrics(groups: list[Group]) -> dict[str, float]:
+    """Multi-turn only (TRL's tool metric names): turns, tool calls per rollout, share of failed calls."""
+    rollouts = [r for g in groups for r in g.rollouts if r.messages]
+    if not rollouts:
+        return {}
+    answers = [m for r in rollouts for m in r.messages if m["role"] == "tool"]
+    failures = sum(str(m["content"]).startswith("error:") for m in answers)
+    return {
+        "turns/mean": sum(len(r.turns) for r in rollouts) / len(rollouts),
+        "tools/call_frequency": len(answers) / len(rollouts),
+        "tools/failure_frequency": failures / len(answers) if answers else 0.0,
+    }

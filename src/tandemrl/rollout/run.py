@@ -1,26 +1,106 @@
-"""Plays one conversation to its end. Single turn today: prompt (context) -> one completion (sampled).
+"""Plays one conversation to its end: prompt (context) -> completion (sampled), and with an environment
+-> its answer (context) -> completion (sampled) -> ... until the model stops calling it or a limit hits.
 
-The trace keeps tokens exactly as sampled; the text is decoded only for rewards and logs.
+Invariant (token-in, token-out): the trace keeps sampled tokens exactly as sampled and appends only
+the chat template's token delta for the environment's messages; each turn's prompt is the whole trace
+so far, so the engine's prefix cache reuses earlier turns. Text is decoded only for the environment,
+rewards and logs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.generation.base import Generator
-from tandemrl.types import Example, Rollout, RolloutStatus, SamplingParams, TokenTrace
+from tandemrl.rollout.chat import ChatFormat
+from tandemrl.rollout.env import Env
+from tandemrl.types import Completion, Example, FinishReason, Message, Rollout, RolloutStatus, SamplingParams, TokenTrace, Turn
 
 
-async def play(example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, tokenizer: Any) -> Rollout:
+@dataclass(frozen=True, kw_only=True)
+class MultiTurn:
+    """What a multi-turn rollout needs beyond a Generator; built once per run by cli/."""
+
+    env: Env
+    chat: ChatFormat
+    max_turns: int
+    max_total_tokens: int
+
+
+async def play(
+    example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, tokenizer: Any,
+    multi_turn: MultiTurn | None = None,
+) -> Rollout:
+    if multi_turn is not None:
+        return await _play_turns(example, prompt_ids, generator=generator, params=params, tokenizer=tokenizer, mt=multi_turn)
     trace = TokenTrace()
     trace.append_context(prompt_ids)
     completion = await generator.generate(prompt_ids, params)
     trace.append_sampled(completion)
-    truncated = completion.finish_reason == "length"
     return Rollout(
         example=example,
         trace=trace,
         completion_text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
         finish_reason=completion.finish_reason,
-        status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK,
+        status=_status(completion.finish_reason),
+        turns=[_turn(0, completion, generator)],
     )
+
+
+async def _play_turns(
+    example: Example, prompt_ids: list[int], *, generator: Generator, params: SamplingParams, tokenizer: Any, mt: MultiTurn
+) -> Rollout:
+    """Turns until the environment has nothing to add. A rollout ends truncated (finish "length") when a
+    turn hits its token limit, when the environment's answer would pass max_total_tokens, or when the
+    environment still answers after max_turns (that answer is then not played)."""
+    trace, messages, turns = TokenTrace(), [], []
+    trace.append_context(prompt_ids)
+    if mt.chat.end_of_turn_id is not None:  # a turn ends where the template closes an assistant message
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, mt.chat.end_of_turn_id))
+    finish: FinishReason = "length"
+    for number in range(mt.max_turns):
+        room = mt.max_total_tokens - len(trace.token_ids)
+        if room < 1:
+            break
+        completion = await generator.generate(list(trace.token_ids), dataclasses.replace(params, max_tokens=min(params.max_tokens, room)))
+        turns.append(_turn(len(trace.token_ids), completion, generator))
+        trace.append_sampled(completion)
+        messages.append({"role": "assistant", "content": tokenizer.decode(completion.token_ids, skip_special_tokens=True)})
+        finish = completion.finish_reason
+        if finish != "stop":
+            break
+        answers = await mt.env.step(example, messages)
+        if not answers:
+            break
+        delta = mt.chat.delta_ids(answers, last_sampled_id=completion.token_ids[-1] if completion.token_ids else None)
+        if number == mt.max_turns - 1 or len(trace.token_ids) + len(delta) >= mt.max_total_tokens:
+            finish = "length"
+            break
+        trace.append_context(delta)
+        messages += answers
+    return Rollout(
+        example=example,
+        trace=trace,
+        completion_text=tokenizer.decode(trace.token_ids[len(prompt_ids) :]),
+        finish_reason=finish,
+        status=_status(finish),
+        messages=messages,
+        turns=turns,
+    )
+
+
+def _turn(start: int, completion: Completion, generator: Generator) -> Turn:
+    version = completion.policy_versions[0] if completion.policy_versions else generator.version
+    return Turn(start=start, end=start + len(completion.token_ids), policy_version=version, finish_reason=completion.finish_reason)
+
+
+def _status(finish: FinishReason) -> RolloutStatus:
+    return RolloutStatus.TRUNCATED if finish == "length" else RolloutStatus.OK
+
+
+def conversation_of(rollout: Rollout) -> list[Message] | str:
+    """What rewards see as the completion: the messages of a multi-turn rollout (TRL's conversational
+    form), the text of a single-turn one."""
+    return rollout.messages if rollout.messages else rollout.completion_text

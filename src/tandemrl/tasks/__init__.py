@@ -22,6 +22,7 @@ def _lazy(module: str) -> Callable[..., Task]:
 
 
 TASKS: dict[str, Callable[..., Task]] = {
+    "calculator": _lazy("tandemrl.tasks.calculator"),
     "gsm8k": _lazy("tandemrl.tasks.gsm8k"),
     "synthetic": _lazy("tandemrl.tasks.synthetic"),
 }

@@ -1,0 +1,92 @@
+"""Tools the model may call, plain Python functions and MCP servers' tools alike, behind one ToolBox.
+
+Invariant: `ToolBox.call` never raises on model output. A malformed call, an unknown tool, a tool's
+exception or a timeout becomes the text the model reads back (one of STYLE.md's two broad excepts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandemrl.plugins import load_object
+from tandemrl.rollout.chat import ToolCall
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tool:
+    """One callable tool: its JSON schema (as chat templates take `tools=[...]`) and an async call."""
+
+    name: str
+    schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+    call: Callable[[dict[str, Any]], Awaitable[str]]
+
+
+def python_tool(fn: Callable[..., Any]) -> Tool:
+    """A Python function as a tool; its schema comes from type hints and a Google-style docstring
+    (transformers' `get_json_schema`, what `apply_chat_template(tools=[fn])` uses). Sync functions run
+    in a worker thread; a result that is not a string is sent as JSON."""
+    from transformers.utils import get_json_schema
+
+    try:
+        schema = get_json_schema(fn)
+    except Exception as error:  # transformers raises its own exception types for each docstring fault
+        raise ValueError(f"tool {fn.__name__!r}: {error}; give every argument a type hint and an Args: line") from None
+
+    async def call(arguments: dict[str, Any]) -> str:
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(**arguments)
+        else:
+            result = await asyncio.to_thread(fn, **arguments)
+        return result if isinstance(result, str) else json.dumps(result)
+
+    return Tool(name=schema["function"]["name"], schema=schema, call=call)
+
+
+def load_python_tools(specs: list[str]) -> list[Tool]:
+    """Example: ["tandemrl.tasks.calculator:calculator"] -> [Tool(name="calculator", ...)]"""
+    tools = []
+    for spec in specs:
+        fn = load_object(spec, what="tool")
+        if not callable(fn):
+            raise ValueError(f"tool '{spec}' is not a function; name a function after the colon")
+        tools.append(python_tool(fn))
+    return tools
+
+
+class ToolBox:
+    """The run's tools by name; calls them with a per-call deadline."""
+
+    def __init__(self, tools: list[Tool], *, timeout_s: float):
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ValueError(f"two tools are named {tool.name!r}; give each tool (and MCP server tool) a unique name")
+            self.tools[tool.name] = tool
+        self.timeout_s = timeout_s
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    async def call(self, call: ToolCall) -> str:
+        """The tool's answer, or the error the model should read (it starts with "error: ")."""
+        if call.error:
+            return f"error: {call.error}"
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
+        try:
+            return await asyncio.wait_for(tool.call(call.arguments), self.timeout_s)
+        except TimeoutError:  # a sync tool's thread runs on to its end; its answer is dropped
+            return f"error: tool {call.name!r} timed out after {self.timeout_s:g} s"
+        except Exception as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
+            log.debug("tool %s raised", call.name, exc_info=True)
+            return f"error: tool {call.name!r} raised {type(error).__name__}: {error}"

@@ -1,0 +1,136 @@
+"""Multi-turn rollouts with a scripted generator: token-exact traces, loss mask token by token, limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandemrl.rollout.chat import ChatFormat, HermesParser
+from tandemrl.rollout.env import ToolEnv
+from tandemrl.rollout.run import MultiTurn, play
+from tandemrl.rollout.tools import ToolBox, python_tool
+from tandemrl.types import Completion, Example, RolloutStatus, SamplingParams
+
+CALL = '<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+class ScriptedGenerator:
+    """Answers turn k with script[k]; its version moves on after every turn; records every prompt."""
+
+    def __init__(self, script: list[list[int]]):
+        self.script, self.prompts, self.version = list(script), [], 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        self.prompts.append(list(prompt_ids))
+        ids = self.script.pop(0)[: params.max_tokens]
+        stopped = bool(ids) and ids[-1] in params.stop_token_ids
+        version, self.version = self.version, self.version + 1
+        return Completion(
+            token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop" if stopped else "length", policy_versions=[version] * len(ids)
+        )
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def setup(tokenizer, script_texts: list[str], *, max_turns: int = 3, max_total_tokens: int = 1024):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    script = [encode(tokenizer, text) + [im_end] for text in script_texts]
+    tool = python_tool(add)
+    chat = ChatFormat(tokenizer, tools=[tool.schema])
+    env = ToolEnv(ToolBox([tool], timeout_s=5), HermesParser())
+    prompt = [{"role": "user", "content": "what is 2 + 3 + 4?"}]
+    prompt_ids = tokenizer.apply_chat_template(prompt, tools=[tool.schema], add_generation_prompt=True, tokenize=True)["input_ids"]
+    mt = MultiTurn(env=env, chat=chat, max_turns=max_turns, max_total_tokens=max_total_tokens)
+    return ScriptedGenerator(script), mt, prompt, prompt_ids, script
+
+
+def run(generator, mt, prompt, prompt_ids, tokenizer):
+    example = Example(prompt=prompt)
+    return asyncio.run(play(example, prompt_ids, generator=generator, params=SamplingParams(max_tokens=256), tokenizer=tokenizer, multi_turn=mt))
+
+
+TEXTS = [CALL.format(a=2, b=3), CALL.format(a=5, b=4), "the answer is 9"]
+
+
+def test_three_turns_are_token_exact_with_tool_output_as_context(tiny_tokenizer):
+    generator, mt, prompt, prompt_ids, script = setup(tiny_tokenizer, TEXTS)
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    trace = rollout.trace
+    # the whole trace is exactly what the template renders for the whole conversation: no drift
+    conversation = prompt + [
+        {"role": "assistant", "content": TEXTS[0]}, {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": TEXTS[1]}, {"role": "tool", "content": "9"},
+        {"role": "assistant", "content": TEXTS[2]},
+    ]
+    rendered = tiny_tokenizer.apply_chat_template(conversation, tools=mt.env.tools, tokenize=False)
+    assert trace.token_ids == encode(tiny_tokenizer, rendered.removesuffix("\n"))
+    # token by token: sampled spans trained, everything else (prompt, tool answers, template) not
+    expected_mask = [False] * len(prompt_ids)
+    for k, turn in enumerate(rollout.turns):
+        assert trace.token_ids[turn.start : turn.end] == script[k]  # sampled tokens kept verbatim
+        expected_mask += [False] * (turn.start - len(expected_mask)) + [True] * (turn.end - turn.start)
+    assert trace.loss_mask == expected_mask
+    assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(trace.logprobs, trace.loss_mask))
+    assert all((v >= 0) == m for v, m in zip(trace.policy_versions, trace.loss_mask))
+    assert [t.policy_version for t in rollout.turns] == [0, 1, 2]  # each turn records its version
+    # each turn's prompt is the whole trace so far (prefix reuse), and tool output is in context
+    for k, turn in enumerate(rollout.turns):
+        assert generator.prompts[k] == trace.token_ids[: turn.start]
+    context = tiny_tokenizer.decode([t for t, m in zip(trace.token_ids, trace.loss_mask) if not m])
+    assert "<tool_response>\n5\n</tool_response>" in context and "<tool_response>\n9\n</tool_response>" in context
+    assert rollout.status is RolloutStatus.OK and rollout.finish_reason == "stop"
+    assert [m["role"] for m in rollout.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert rollout.messages[0]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_sampled_tokens_are_never_retokenised(tiny_tokenizer):
+    """A non-canonical tokenisation (one token per character) stays as sampled."""
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, TEXTS)
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    by_char = [tiny_tokenizer.convert_tokens_to_ids(c) for c in TEXTS[0] if c != " "] + [im_end]
+    assert all(i is not None and i != tiny_tokenizer.unk_token_id for i in by_char)
+    generator.script[0] = by_char
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    first = rollout.turns[0]
+    assert rollout.trace.token_ids[first.start : first.end] == by_char
+
+
+def test_max_turns_truncates_a_rollout_still_calling_tools(tiny_tokenizer):
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, TEXTS[:2], max_turns=2)
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    assert len(rollout.turns) == 2 and rollout.status is RolloutStatus.TRUNCATED
+    assert rollout.trace.loss_mask[-1]  # the unplayed tool answer is not appended
+
+
+def test_max_total_tokens_bounds_the_conversation(tiny_tokenizer):
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, TEXTS, max_total_tokens=0)
+    limit = len(prompt_ids) + 30
+    mt = MultiTurn(env=mt.env, chat=mt.chat, max_turns=3, max_total_tokens=limit)
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    assert len(rollout.trace.token_ids) <= limit and rollout.status is RolloutStatus.TRUNCATED
+
+
+@pytest.mark.parametrize("text, answer", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "raised TypeError"),
+    ('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "unknown tool 'mul'"),
+    ("<tool_call>{not json</tool_call>", "malformed tool call"),
+    ('<tool_call>["add"]</tool_call>', "malformed tool call"),
+])
+def test_bad_calls_become_the_tools_answer(tiny_tokenizer, text, answer):
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, [text, "sorry"])
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    assert rollout.status is RolloutStatus.OK and len(rollout.turns) == 2
+    assert answer in rollout.messages[1]["content"]

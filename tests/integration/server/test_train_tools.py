@@ -21,7 +21,7 @@ class EveryTurnCalls:
         return [ToolCall(name="calculator", arguments={"expression": "6 * 7"})]
 '''
 STEPS = ["--max_steps", "2", "--num_prompts_per_step", "2", "--num_generations", "4", "--max_completion_length", "128",
-         "--drop_zero_variance_groups", "false"]
+         "--no-drop_zero_variance_groups"]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
+from tandemrl.rewards.judge import JudgeConfig
 from tandemrl.rollout.env import ToolsConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
 from tandemrl.types import SamplingParams
@@ -111,7 +112,7 @@ class LogConfig:
 
 LEAVES = (
     RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
-    LocalSyncConfig, DistributedSyncConfig, ToolsConfig,
+    LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig,
 )
 
 
@@ -130,6 +131,7 @@ class TrainConfig:
     local_sync: LocalSyncConfig = field(default_factory=LocalSyncConfig)
     distributed_sync: DistributedSyncConfig = field(default_factory=DistributedSyncConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config."""

@@ -21,7 +21,8 @@ from tandemrl.data.sampler import PromptCursor
 from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
-from tandemrl.rewards.base import load_reward_funcs
+from tandemrl.rewards.base import RewardFunc, load_reward_funcs
+from tandemrl.rewards.judge import build_judge
 from tandemrl.rollout.chat import ChatFormat
 from tandemrl.rollout.env import open_tool_env
 from tandemrl.rollout.run import MultiTurn
@@ -47,7 +48,8 @@ def run(config: TrainConfig) -> Path:
     _check_conversation_length(config, model)
     task = _task(config)
     examples = _data(config, task)
-    reward_funcs = _rewards(config, task)
+    judge_generator, judge = _judge(config)
+    reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     state = load_state(checkpoint) if checkpoint is not None else None
@@ -60,7 +62,7 @@ def run(config: TrainConfig) -> Path:
     _save_config(config, run_dir)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
-        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task), params=_sampling(config),
+        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=_sampling(config),
         logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
         progress=Progress(config.run.max_steps, start_step=start_step), run_dir=run_dir,
     )
@@ -68,14 +70,14 @@ def run(config: TrainConfig) -> Path:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         with frozen_heap():
-            asyncio.run(_main(parts, _settings(config), start_step, config))
+            asyncio.run(_main(parts, _settings(config), start_step, config, judge_generator))
     finally:
         parts.progress.close()
         parts.logger.close()
     return run_dir
 
 
-async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig) -> None:
+async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig, judge_generator: Any) -> None:
     # the generator must hold the trainer's current version before the first rollout (resume, servers)
     await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
     try:
@@ -91,6 +93,8 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
     finally:
         await parts.sync.close()
         await parts.generator.close()
+        if judge_generator is not None:
+            await judge_generator.close()
 
 
 def _run_dir(config: TrainConfig) -> Path:
@@ -166,18 +170,36 @@ def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, to
 
 def _rewards(config: TrainConfig, task: Task | None) -> list:
     names = list(config.reward.reward_funcs) or (task.reward_funcs if task is not None else [])
-    if not names:
-        raise ValueError("no reward functions: pass --reward_funcs (e.g. math_accuracy format, or module:function)")
+    if not names and not config.judge.enabled:
+        raise ValueError("no reward functions: pass --reward_funcs (e.g. math_accuracy format, or module:function) or --reward_model")
     return load_reward_funcs(names)
 
 
-def _reward_weights(config: TrainConfig, task: Task | None) -> list[float] | None:
-    """--reward_weights; else the task's weights when its reward functions are used; else 1.0 each."""
+def _reward_weights(config: TrainConfig, task: Task | None, judge: RewardFunc | None) -> list[float] | None:
+    """--reward_weights (the judge, last, counts too); else the task's weights when its reward functions
+    are used, and 1.0 for the judge; else 1.0 each."""
     if config.reward.reward_weights:
         return list(config.reward.reward_weights)
-    if config.reward.reward_funcs or task is None:
+    if config.reward.reward_funcs or task is None or task.reward_weights is None:
         return None
-    return task.reward_weights
+    return task.reward_weights + ([1.0] if judge is not None else [])
+
+
+def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
+    """The generative reward model's Generator (None for a plugin that needs none) and its reward function."""
+    j = config.judge
+    if not j.enabled:
+        return None, None
+    generator = tokenizer = None
+    if j.reward_model:
+        tokenizer = load_tokenizer(j.reward_model)
+        if j.reward_model_url:
+            generator = build_generator(RemoteConfig(urls=(j.reward_model_url,), rollout_server_timeout=config.rollout.rollout_server_timeout))
+        else:  # its own engine beside the policy's, in its own thread
+            backend = EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=0.2)
+            generator = build_generator(backend, tokenizer=tokenizer)
+    judge = build_judge(j, generator=generator, tokenizer=tokenizer)
+    return generator, RewardFunc(name="reward_model", fn=judge)
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:

@@ -1,0 +1,42 @@
+"""`tandem train --reward_model`: a generative judge scores every completion, in an in-process engine
+or on a real `tandem rollout` server; a random tiny judge's unparsable replies are logged None rewards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rollout_helpers import start_server
+
+STEPS = ["--max_steps", "2", "--num_prompts_per_step", "2", "--num_generations", "4", "--max_completion_length", "6"]
+
+
+def train(tmp_path, *extra: str) -> tuple[list[dict], str]:
+    args = [sys.executable, "-m", "tandemrl", "train", "--output_dir", str(tmp_path / "run"), *STEPS, "--reward_model_max_tokens", "4", *extra]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()], result.stderr
+
+
+def check(rows: list[dict], stderr: str) -> None:
+    assert [r["policy_version"] for r in rows] == [1, 2]  # the synthetic reward still drives training
+    assert all(r["rollout/failed_groups"] == 0 for r in rows)
+    scored = [r["rewards/reward_model/mean"] for r in rows if "rewards/reward_model/mean" in r]
+    assert all(0 <= s <= 1 for s in scored)
+    assert len(scored) == len(rows) or "reward model reply has no score" in stderr
+
+
+def test_judge_in_process(tmp_path, tiny_model_dir):
+    check(*train(tmp_path, "--reward_model", tiny_model_dir))
+
+
+def test_judge_on_a_rollout_server(tmp_path, tiny_model_dir):
+    server = start_server(tiny_model_dir, "--max_model_len", "512", backend="engine")
+    try:
+        check(*train(tmp_path, "--reward_model", tiny_model_dir, "--reward_model_url", server.url))
+        generated = next(line for line in server.get("/metrics").text.splitlines() if line.startswith("tandem_generated_tokens_total"))
+        assert float(generated.split()[1]) > 0  # the judge's replies came from the server
+    finally:
+        server.stop()

@@ -36,13 +36,28 @@ def serve(config: RolloutServerConfig) -> None:
 
     from tandemrl.server.build import build_server
 
-    app = build_server(config, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0)
+    model, tokenizer = _built_in(config)
+    app = build_server(config, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0, model=model, tokenizer=tokenizer)
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     print(f"tandem rollout: serving {config.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, access_log=False))
     with frozen_heap():
         server.run(sockets=[sock])
+
+
+def _built_in(config: RolloutServerConfig) -> tuple[Any, Any]:
+    """(model, tokenizer) of `--model tandem:tiny`, built in code as `tandem train` builds it (seed 0), so a
+    server can be tried offline and trained against; (None, None) for any other model, which is loaded."""
+    from tandemrl.tasks.synthetic import TINY_MODEL
+
+    if config.model != TINY_MODEL:
+        return None, None
+    from tandemrl.generation.loading import resolve_device
+    from tandemrl.tasks.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    return build_model(tokenizer, seed=0).to(resolve_device(config.device)), tokenizer
 
 
 def _bind(host: str, port: int) -> socket.socket:

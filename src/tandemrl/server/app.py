@@ -16,9 +16,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandemrl.server import batch, openai
+from tandemrl.server.metrics import CONTENT_TYPE
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
 from tandemrl.server.wire import (
@@ -74,9 +77,9 @@ def _add_status_routes(app: FastAPI, service: RolloutService) -> None:
     async def ready() -> dict[str, Any]:
         return service.readiness()
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
-    async def metrics() -> str:
-        return service.metrics_text()
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text format, HELP and TYPE)")
+    async def metrics() -> Response:
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
 
 def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> None:
@@ -188,14 +191,23 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
     async def bad_request(request: Request, error: ValueError) -> JSONResponse:
         return JSONResponse(_error_body(str(error), "invalid_request_error"), status_code=400)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        if not request.url.path.startswith("/v1/"):
+            return await request_validation_exception_handler(request, error)  # 422 with FastAPI's detail
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][1:]) or None  # ("body", "messages", 0) -> "messages.0"
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        return JSONResponse(_error_body(message, "invalid_request_error", param=param), status_code=400)
+
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
         return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
 
 
-def _error_body(message: str, kind: str) -> dict[str, Any]:
-    """FastAPI's `detail`, and OpenAI's `error` so that OpenAI clients show the message."""
-    return {"detail": message, "error": {"message": message, "type": kind, "code": None}}
+def _error_body(message: str, kind: str, *, param: str | None = None) -> dict[str, Any]:
+    """FastAPI's `detail`, and OpenAI's `error` object so that OpenAI clients show the message."""
+    return {"detail": message, "error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 class BearerAuth:

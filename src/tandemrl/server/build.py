@@ -15,20 +15,21 @@ from tandemrl.weights import ipc
 from tandemrl.weights.distributed import WeightReceiver
 
 
-def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0) -> Any:
+def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0, model: Any = None, tokenizer: Any = None) -> Any:
+    """`model` and `tokenizer`, when given, are served instead of loading `config.model` (a model built in code)."""
     from transformers import AutoConfig
 
     import torch
 
-    tokenizer = load_tokenizer(config.model)
-    text_config = AutoConfig.from_pretrained(config.model).get_text_config()
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+    text_config = (model.config if model is not None else AutoConfig.from_pretrained(config.model)).get_text_config()
     max_model_len = min(config.max_model_len, getattr(text_config, "max_position_embeddings", config.max_model_len))
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     match config.backend:
         case "hf":
-            generator = build_generator(HFConfig(model=config.model, dtype=config.dtype, device=str(device)), tokenizer=tokenizer)
+            generator = build_generator(HFConfig(model=config.model, dtype=config.dtype, device=str(device)), model=model, tokenizer=tokenizer)
         case "engine":
             engine_config = EngineConfig(
                 model=config.model,
@@ -38,7 +39,7 @@ def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0) -> An
                 max_model_len=max_model_len,
                 tensor_parallel_size=config.tensor_parallel_size,
             )
-            generator = build_generator(engine_config, tokenizer=tokenizer)
+            generator = build_generator(engine_config, model=model, tokenizer=tokenizer)
     service = RolloutService(
         generator,
         model_name=config.served_model_name or config.model,

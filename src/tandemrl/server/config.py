@@ -16,7 +16,7 @@ class RolloutServerConfig:
     """How `tandem rollout` serves a model: backend, address, limits and the key."""
 
     model: str = ""
-    """Model id or local directory to serve."""
+    """Model id or local directory to serve, or tandem:tiny (the built-in tiny model, nothing downloaded)."""
     backend: Literal["engine", "hf"] = "engine"
     """Generator behind the server: engine (ours) or hf (transformers generate, any architecture)."""
     host: str = "127.0.0.1"

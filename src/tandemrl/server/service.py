@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 from tandemrl.generation.base import Generator
 from tandemrl.server.gate import Busy, Gate
+from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.types import Completion, SamplingParams
 from tandemrl.weights.distributed import WeightReceiver
@@ -56,6 +56,7 @@ class RolloutService:
         self.asleep = False
         self._entries: dict[str, _Entry] = {}
         self._update_lock = asyncio.Lock()
+        self.metrics = ServerMetrics(self)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -76,6 +77,9 @@ class RolloutService:
             raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None) -> Completion:
+        start = time.perf_counter()
+        if on_token is not None:
+            on_token = self._timing_first_token(on_token, start)
         try:
             async with self.gate.admit():
                 if on_token is None:
@@ -91,7 +95,22 @@ class RolloutService:
         self.counters.requests[completion.finish_reason] += 1
         self.counters.prompt_tokens += len(prompt_ids)
         self.counters.generated_tokens += len(completion.token_ids)
+        self.metrics.request_latency.observe(time.perf_counter() - start)
+        self.metrics.finished(len(completion.token_ids))
         return completion
+
+    def _timing_first_token(self, on_token: Callable[[int], None], start: float) -> Callable[[int], None]:
+        """`on_token` that also observes the time to the first token."""
+        seen = False
+
+        def timed(token_id: int) -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                self.metrics.time_to_first_token.observe(time.perf_counter() - start)
+            on_token(token_id)
+
+        return timed
 
     def start_batch(self, items: list[tuple[str, list[int], SamplingParams]]) -> dict[str, asyncio.Task]:
         """Starts every (request id, prompt ids, params) in this tick, or none (Busy), so the generator
@@ -122,6 +141,10 @@ class RolloutService:
             entry = self._entries[request_id] = _Entry(task)
             task.add_done_callback(lambda _, e=entry: setattr(e, "finished_at", time.monotonic()))
         return ids
+
+    @property
+    def num_async_results_held(self) -> int:
+        return len(self._entries)
 
     def known(self, request_ids: list[str]) -> list[str]:
         """The ids among `request_ids` this server does not know (never issued, collected or expired)."""
@@ -190,6 +213,7 @@ class RolloutService:
             seconds = time.perf_counter() - start
             self.counters.weight_syncs["ok"] += 1
             self.counters.last_sync_s = seconds
+            self.metrics.weight_sync.observe(seconds)
             num_bytes = sum(t.numel() * t.element_size() for _, t in staging)
             log.info("policy version %d live (%d tensors, %.1f MB, %.2f s, %s)", version, len(staging), num_bytes / 2**20, seconds, mode)
             return len(staging), num_bytes, seconds
@@ -245,27 +269,3 @@ class RolloutService:
                 self.generator.version, self.gate.num_running, self.gate.num_queued, sum(c.requests.values()),
                 c.generated_tokens, ", updating weights" if self.update_in_progress else "",
             )
-
-    def metrics_text(self) -> str:
-        """Prometheus text exposition (version 0.0.4)."""
-        c = self.counters
-        lines = [
-            *(f'tandem_requests_total{{finish_reason="{k}"}} {v}' for k, v in c.requests.items()),
-            f"tandem_prompt_tokens_total {c.prompt_tokens}",
-            f"tandem_generated_tokens_total {c.generated_tokens}",
-            f"tandem_requests_running {self.gate.num_running}",
-            f"tandem_requests_queued {self.gate.num_queued}",
-            f"tandem_async_results_held {len(self._entries)}",
-            f"tandem_policy_version {self.generator.version}",
-            f"tandem_update_in_progress {int(self.update_in_progress)}",
-            f"tandem_asleep {int(self.asleep)}",
-            *(f'tandem_weight_syncs_total{{result="{k}"}} {v}' for k, v in c.weight_syncs.items()),
-            f"tandem_weight_sync_last_seconds {c.last_sync_s}",
-            f"process_resident_memory_bytes {_rss_bytes()}",
-        ]
-        return "\n".join(lines) + "\n"
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

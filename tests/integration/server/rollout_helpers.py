@@ -67,6 +67,14 @@ class Server:
     def log_text(self) -> str:
         return "\n".join(self.log)
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics scraped and parsed by prometheus_client, as {'name{label="v"}': value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self.get("/metrics").text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""): s.value for s in samples}
+
 
 def start_server(
     model_dir: str, *extra: str, backend: str = "hf", port: int = 0, timeout_s: float = 120, device: str = "cpu", env: dict[str, str] | None = None

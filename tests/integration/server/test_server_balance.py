@@ -4,7 +4,6 @@ a Generator (RemoteGenerator) whose completions carry the server's versions."""
 from __future__ import annotations
 
 import asyncio
-import re
 
 import pytest
 from rollout_helpers import GREEDY, start_server
@@ -21,7 +20,7 @@ def two_servers(tiny_model_dir):
 
 
 def _num_requests(server) -> int:
-    return sum(int(n) for n in re.findall(r"^tandem_requests_total\{[^}]*\} (\d+)$", server.get("/metrics").text, re.M))
+    return int(sum(v for k, v in server.metrics().items() if k.startswith("tandem_requests_total{")))
 
 
 def test_remote_generator_balances_two_servers(two_servers, tiny_tokenizer):

@@ -67,8 +67,8 @@ def test_32_clients_for_30_s_zero_errors_and_bounded_memory(tiny_model_dir):
         assert min(counts) > 0 and sum(counts) >= 100, counts
         warm, last = max(samples[5:10]), max(samples[-5:])
         assert last - warm < 150, f"server RSS grew from {warm:.0f} MB to {last:.0f} MB under steady load"
-        metrics = server.get("/metrics").text
-        assert "tandem_async_results_held 0" in metrics and "tandem_requests_running 0" in metrics
+        metrics = server.metrics()
+        assert metrics["tandem_async_results_held"] == 0 and metrics["tandem_requests_running"] == 0
         print(f"{sum(counts)} requests in {DURATION_S:.0f} s from {NUM_CLIENTS} clients; RSS {warm:.0f} -> {last:.0f} MB")
     finally:
         server.stop()

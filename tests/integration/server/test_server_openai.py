@@ -39,11 +39,22 @@ def test_chat_plain_and_streaming_with_n(oai, tiny_model_dir):
     assert texts == {0: plain.choices[0].message.content, 1: plain.choices[1].message.content}
 
 
-def test_bad_openai_request_is_a_4xx(oai, tiny_model_dir):
+def test_bad_openai_request_is_a_400_with_openais_error_object(oai, server, tiny_model_dir):
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=100000)
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError, match="messages") as invalid:
         oai.chat.completions.create(model=tiny_model_dir, messages=[], max_tokens=2)
+    assert invalid.value.body["param"] == "messages" and invalid.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="temperature: Input should be less than or equal to") as invalid:
+        oai.completions.create(model=tiny_model_dir, prompt="x", temperature=1e9)
+    assert invalid.value.body["param"] == "temperature"
+    raw = server.post("/v1/completions", {"prompt": "x", "top_p": 0})
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completions_max_tokens_defaults_to_16_as_openais(oai, tiny_model_dir):
+    answer = oai.completions.create(model=tiny_model_dir, prompt="the answer", extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"
 
 
 def test_text_streams_as_it_is_sampled_and_stops_as_plain_does(oai, tiny_model_dir, backend):

@@ -31,7 +31,7 @@ def test_gloo_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
         completion = client.generate(prompt_ids, GREEDY)
         assert completion.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
         assert completion.policy_versions == [version + 1] * len(completion.token_ids)
-    assert 'tandem_weight_syncs_total{result="ok"} 2' in server.get("/metrics").text
+    assert server.metrics()['tandem_weight_syncs_total{result="ok"}'] == 2
 
 
 def test_drain_update_waits_for_in_flight_requests_which_keep_the_old_version(server, client, tiny_model_dir):

@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_error_with_exit_2(tmp_path, tiny_model_dir, case,
 
 def test_unknown_flag_is_a_usage_error():
     result = tandem("train", "--num_generationz", "4")
-    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+    assert result.returncode == 2 and "unknown flag --num_generationz (did you mean --num_generations?)" in result.stderr
 
 
 @pytest.mark.slow

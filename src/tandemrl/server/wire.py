@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tandemrl.generation.remote_batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
+from tandemrl.generation.remote.batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
 from tandemrl.types import MAX_SEED, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
 
 _DEFAULTS = SamplingParams()

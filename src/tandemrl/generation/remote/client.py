@@ -1,7 +1,7 @@
 """The client of `tandem rollout` servers (RolloutClient): generation, readiness, admin and weight sync.
 
 The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
-async callers await the same work. The calls submitted together leave together (remote_batch.py: one
+async callers await the same work. The calls submitted together leave together (batch.py: one
 request per server, split by fewest in flight); connection errors are retried with backoff within the
 deadline, then raised as one clear error; nothing waits forever.
 """
@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import httpx
 
 from tandemrl.generation.base import RemoteConfig
-from tandemrl.generation.remote_batch import Batcher, ServerError, json_or_raise
+from tandemrl.generation.remote.batch import Batcher, ServerError, json_or_raise
 from tandemrl.types import Completion, SamplingParams
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The Generator over `tandem rollout` servers (RemoteGenerator), and the client's public names.
+"""The Generator over `tandem rollout` servers (RemoteGenerator).
 
 Invariant: the generate calls made in one tick of the caller's event loop reach RolloutClient in one
 submit_many, so they leave in one request per server and the servers' engines step them together,
@@ -12,15 +12,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tandemrl.generation.base import RemoteConfig
-from tandemrl.generation.remote_client import RolloutClient, ServerError
+from tandemrl.generation.remote.client import RolloutClient
 from tandemrl.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from tandemrl.weights.base import DistributedSyncConfig
-
-__all__ = ["RemoteGenerator", "RolloutClient", "ServerError"]
 
 
 class RemoteGenerator:

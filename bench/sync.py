@@ -9,6 +9,7 @@ Prints one JSON line per sync and a summary line: `sync <transport>: <median s> 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -72,6 +73,7 @@ def main() -> None:
     from tandemrl.generation.remote import RolloutClient
     from tandemrl.types import SamplingParams
     from tandemrl.weights.base import DistributedSyncConfig
+    from tandemrl.weights.distributed import DistributedSync
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as model_dir:
@@ -81,14 +83,15 @@ def main() -> None:
             trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
             num_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
             client = RolloutClient(RemoteConfig(urls=(url,), rollout_server_timeout=600))
-            sync = DistributedSyncConfig(weight_sync_port=0, weight_sync_backend=args.transport, weight_sync_bucket_mb=args.bucket_mb)
+            config = DistributedSyncConfig(weight_sync_port=0, weight_sync_backend=args.transport, weight_sync_bucket_mb=args.bucket_mb)
+            sync = DistributedSync(config, client)  # what `tandem train --rollout_mode server` publishes through
             times = []
             for version in range(1, args.num_syncs + 1):
                 with torch.no_grad():
                     trainer.model.norm.weight.add_(1.0)  # a new policy each time
                 torch.cuda.synchronize() if args.device == "cuda" else None
                 start = time.perf_counter()
-                client.update_weights(trainer.named_parameters(), version=version, sync=sync)
+                asyncio.run(sync.publish(trainer.named_parameters(), version=version))
                 seconds = time.perf_counter() - start
                 times.append(seconds)
                 ready = client.readiness()[0]

@@ -2,7 +2,7 @@
 
 Each factory takes the tiny model directory and returns a Generator (sync; awaitable cleanup via close).
 The remote backend is a real `tandem rollout` process (engine inside) reached over HTTP, its weights
-pushed over a gloo group.
+pushed over a gloo group. Weights reach every backend as the trainer sends them: through its WeightSync.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tandemrl.generation.base import EngineConfig, Generator, HFConfig, build_generator
 from tandemrl.types import SamplingParams
+from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig, build_weight_sync
 
 BACKENDS = {
     "hf": lambda model_dir: build_generator(HFConfig(model=model_dir, device="cpu")),
@@ -39,16 +40,28 @@ def rollout_server(tiny_model_dir):
     server.stop()
 
 
+def publish(generator: Generator, weights, version: int) -> None:
+    """Publishes through the WeightSync the trainer would build for this generator."""
+    from tandemrl.generation.remote import RemoteGenerator
+
+    remote = isinstance(generator, RemoteGenerator)
+    sync = build_weight_sync(DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30) if remote else LocalSyncConfig(), generator)
+
+    async def publish_and_close() -> None:
+        await sync.publish(weights, version=version)
+        await sync.close()
+
+    run(publish_and_close())
+
+
 def remote_generator(server, model_dir: str) -> Generator:
     """A client of the module's server, which first gets the original weights back at version 0."""
     from tandemrl.generation.base import RemoteConfig
     from tandemrl.generation.remote import RemoteGenerator
-    from tandemrl.weights.base import DistributedSyncConfig
 
-    sync = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30)
-    gen = RemoteGenerator(RemoteConfig(urls=(server.url,), rollout_server_timeout=60), sync=sync)
+    gen = RemoteGenerator(RemoteConfig(urls=(server.url,), rollout_server_timeout=60))
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    run(gen.update_weights(original.named_parameters(), version=0))
+    publish(gen, original.named_parameters(), version=0)
     return gen
 
 
@@ -104,13 +117,13 @@ def test_seeded_sampling_is_reproducible(generator):
     assert all(lp <= 0 for c in first for lp in c.logprobs)
 
 
-def test_update_weights_by_hf_names_changes_output_and_version(generator, tiny_model_dir):
+def test_published_weights_by_hf_names_change_output_and_version(generator, tiny_model_dir):
     new = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         for param in new.parameters():
             param.mul_(-1.0)
     before = run(generator.generate([9, 10, 11], GREEDY))
-    run(generator.update_weights(new.named_parameters(), version=5))
+    publish(generator, new.named_parameters(), version=5)
     after = run(generator.generate([9, 10, 11], GREEDY))
     assert generator.version == 5 and after.policy_versions == [5] * 8
     assert after.token_ids != before.token_ids

@@ -1,4 +1,6 @@
-"""Imports flow one way (DESIGN.md): a module may import only its own layer or layers below it."""
+"""Imports flow one way (DESIGN.md): a module may import only its own layer or layers below it, and no
+two packages import each other, even through others. Every import counts: lazy ones inside functions
+and those under TYPE_CHECKING too."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import tandemrl
 ROOT = Path(tandemrl.__file__).parent
 # lower number = lower layer; a module may not import a higher layer
 LAYERS = {
-    "types": 0, "config": 5, "algo": 1, "rewards": 1, "rollout.env": 1, "rollout.tools": 1, "rollout.chat": 1, "rollout.mcp": 1,
-    "data": 1, "logging": 1, "generation": 2, "weights": 2, "train": 2, "rollout": 3, "server": 3,
-    "pipeline": 4, "tasks": 5, "cli": 6,
+    "types": 0, "algo": 1, "rewards": 1, "rollout.env": 1, "rollout.tools": 1, "rollout.chat": 1, "rollout.mcp": 1,
+    "data": 1, "logging": 1, "generation": 2, "train": 2, "weights": 3, "rollout": 3, "server": 4,
+    "pipeline": 4, "config": 5, "tasks": 5, "cli": 6,
 }
 
 
@@ -41,6 +43,29 @@ def edges():
 def test_no_import_goes_up_a_layer():
     back = [(s, t) for s, t in edges() if layer(s) is not None and layer(t) is not None and layer(t) > layer(s)]
     assert not back, f"imports against the layering of DESIGN.md: {back}"
+
+
+def test_no_two_packages_import_each_other_even_through_others():
+    graph: dict[str, set[str]] = {}
+    for source, target in edges():
+        a, b = source.split(".")[0], target.split(".")[0]
+        if a and a != b:
+            graph.setdefault(a, set()).add(b)
+    cycles = [(a, path) for a in graph if (path := _path(graph, a, a))]
+    assert not cycles, f"package import cycles: {cycles}"
+
+
+def _path(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A path start -> ... -> goal of at least one edge, or None."""
+    seen, stack = set(), [(n, [start, n]) for n in graph.get(start, ())]
+    while stack:
+        node, path = stack.pop()
+        if node == goal:
+            return path
+        if node not in seen:
+            seen.add(node)
+            stack += [(n, path + [n]) for n in graph.get(node, ())]
+    return None
 
 
 def test_types_imports_no_torch():

@@ -24,17 +24,25 @@ log = logging.getLogger(__name__)
 class Generator(Protocol):
     """Turns prompt token ids into a Completion; versioned weights, sleep and wake."""
 
-    version: int  # policy version of the live weights
+    @property
+    def version(self) -> int: ...  # policy version of the live weights
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
-
-    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
 
     async def sleep(self, level: int) -> None: ...
 
     async def wake(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class LocalGenerator(Generator, Protocol):
+    """A Generator whose weights live in this process (engine, hf): new weights arrive by Hugging Face
+    name through `update_weights`, from LocalSync or a rollout server's staging. A remote Generator's
+    weights live on its servers and reach them through weights/distributed.py."""
+
+    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None: ...
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ from tandemrl.server.config import RolloutServerConfig
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
 from tandemrl.weights import ipc
-from tandemrl.weights.distributed import WeightReceiver
+from tandemrl.weights.group import WeightReceiver
 
 
 def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0, model: Any = None, tokenizer: Any = None) -> Any:

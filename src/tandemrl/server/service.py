@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandemrl.generation.base import Generator
+from tandemrl.generation.base import LocalGenerator
 from tandemrl.server.gate import Busy, Gate
 from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.types import Completion, SamplingParams
-from tandemrl.weights.distributed import WeightReceiver
+from tandemrl.weights.group import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Counters:
 
 
 class RolloutService:
-    def __init__(self, generator: Generator, *, model_name: str, max_model_len: int, max_pending_requests: int, result_ttl_s: float, receiver: WeightReceiver | None, device_uuid: str | None):
+    def __init__(self, generator: LocalGenerator, *, model_name: str, max_model_len: int, max_pending_requests: int, result_ttl_s: float, receiver: WeightReceiver | None, device_uuid: str | None):
         self.generator = generator
         self.model_name = model_name
         self.max_model_len = max_model_len

@@ -64,7 +64,7 @@ def build_weight_sync(config: WeightSyncConfig, generator: Generator) -> WeightS
         case DistributedSyncConfig():
             from tandemrl.weights.distributed import DistributedSync
 
-            return DistributedSync(config, generator)
+            return DistributedSync(config, generator.client)  # a RemoteGenerator's
     raise ValueError(f"unknown weight sync config {config!r}")
 
 

@@ -1,297 +1,99 @@
-"""Server placement weight sync: trainer rank 0 broadcasts named tensors to the rollout servers over a
-torch.distributed group (gloo on CPU, NCCL across GPUs, CUDA IPC handles over a gloo group when both
-sit on one GPU), in flattened buckets of --weight_sync_bucket_mb, by Hugging Face parameter name.
+"""Server placement weight sync: the trainer's new weights reach every rollout server over the
+weight-sync group (group.py), in buckets (buckets.py), and each server makes the new version live.
 
-Invariants: every collective has a deadline (--weight_sync_timeout_s), so a dead peer is an error,
-never a hang; a receiver returns every tensor of an update or raises, never a part. Groups are built
-from a TCPStore directly (no default process group), so they coexist with the trainer's FSDP group and
-an engine's tensor-parallel group, and can be re-formed when a server restarts.
+This module owns the whole job: it picks the transport, forms the group with the servers (again after
+a failure or a server restart) and pushes; the rollout client (generation/remote/client.py) only
+carries the HTTP calls that tell the servers to join a group and to receive an update.
 
-Wire of one bucket, broadcast from rank 0: header int64[2] = (meta bytes, payload bytes), (0, 0) ends
-the update; meta = UTF-8 JSON {"tensors": [{name, dtype, shape, offset}], "ipc": handle?}; payload =
-uint8[payload bytes] (absent for ipc: the server maps the trainer's bucket, then all ranks barrier).
+Invariant: a publish either makes `version` live on every server or raises one error naming the
+version; after a failure the group is dropped and the next publish forms a new one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import asyncio
+import itertools
 import logging
-import math
-import os
-import uuid
-from collections.abc import Iterable, Iterator
-from datetime import timedelta
+import socket
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
+from urllib.parse import urlparse
 
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
+from tandemrl.weights.group import WeightSender
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from tandemrl.generation.remote import RemoteGenerator
+    from tandemrl.generation.remote import RolloutClient
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64  # bytes: every tensor starts aligned in its bucket, so `view(dtype)` is legal for any dtype
-Named = list[tuple[str, "Tensor"]]
-
-
-def pack_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int, device: torch.device | None = None) -> Iterator[tuple[list[dict], Tensor]]:
-    """Flattens named tensors into uint8 buckets of at most `bucket_bytes` (a bigger tensor goes alone).
-
-    Example: [("a", float32[2]), ("b", float32[1])], 1 MB -> one bucket:
-      [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0}, {..., "name": "b", "offset": 64}], uint8[68]
-    """
-    items: Named = []
-    end = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        start = end + (-end % ALIGN)
-        if items and start + nbytes > bucket_bytes:
-            yield _flatten(items, device)
-            items, start = [], 0
-        items.append((name, tensor.detach()))
-        end = start + nbytes
-    if items:
-        yield _flatten(items, device)
-
-
-def _flatten(items: Named, device: torch.device | None) -> tuple[list[dict], Tensor]:
-    meta, offset = [], 0
-    for name, tensor in items:
-        offset += -offset % ALIGN
-        meta.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset})
-        offset += tensor.numel() * tensor.element_size()
-    flat = torch.empty(offset, dtype=torch.uint8, device=device or items[0][1].device)  # [bytes]
-    for m, (_, tensor) in zip(meta, items):
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        flat[m["offset"] : m["offset"] + data.numel()].copy_(data)
-    return meta, flat
-
-
-def unpack_bucket(meta: list[dict], flat: Tensor) -> Named:
-    """The named tensors of one bucket, as views into `flat` (the inverse of `_flatten`)."""
-    out = []
-    for m in meta:
-        dtype = getattr(torch, m["dtype"])
-        assert isinstance(dtype, torch.dtype), m["dtype"]
-        nbytes = math.prod(m["shape"]) * dtype.itemsize
-        out.append((m["name"], flat[m["offset"] : m["offset"] + nbytes].view(dtype).view(m["shape"])))
-    return out
-
-
-NCCL_GROUP_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicator, raise in the waiter
-    "TORCH_NCCL_ENABLE_MONITORING": "0",  # no std::abort from the heartbeat monitor some minutes after a timeout
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # a dead peer is expected here: no flight-recorder dump to disk
-}
-
-
-@contextlib.contextmanager
-def nccl_errors_raise() -> Iterator[None]:
-    """ProcessGroupNCCL objects built inside this block survive a dead peer: a failed or timed-out
-    collective aborts their communicator and raises in the waiting thread, instead of torch's defaults
-    taking the whole process down (the watchdog at once, mode 3; or the heartbeat monitor a heartbeat
-    timeout after the flight-recorder dump). A dead trainer must not kill a rollout server, nor a dead
-    server its trainer. torch reads these variables when a group is built, so only our groups are affected.
-    Caveat: torch's dump signal is process-wide and served by the process's first NCCL group; today that
-    is ours (neither the trainer nor the server builds another), but a process whose first group is built
-    elsewhere with torch's defaults (a future multi-GPU trainer) would be aborted by that group's monitor
-    some minutes after one of our collectives failed, unless it too turns monitoring or dumping off."""
-    previous = {name: os.environ.get(name) for name in NCCL_GROUP_ENV}
-    os.environ.update(NCCL_GROUP_ENV)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-class _Group:
-    """One process group whose every collective waits at most `timeout_s`."""
-
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int, transport: str, timeout_s: float, device: torch.device):
-        self.transport = transport
-        self.timeout = timedelta(seconds=timeout_s)
-        self.device = device if transport == "nccl" else torch.device("cpu")  # where wire tensors live
-        if transport == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            with nccl_errors_raise():
-                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
-
-    def broadcast(self, tensor: Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        try:
-            self.pg.broadcast([tensor], options).wait(self.timeout)
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        """Frees an NCCL communicator stuck on a dead peer (a broken group is never reused)."""
-        abort = getattr(self.pg, "abort", None) if self.transport == "nccl" else None
-        if abort is not None:
-            try:
-                abort()
-            except Exception as error:  # noqa: BLE001 - the collective's own error is the one to raise
-                log.warning("aborting the weight-sync NCCL group failed: %s", error)
-
-    def barrier(self) -> None:
-        self.pg.barrier(dist.BarrierOptions()).wait(self.timeout)
-
-    def send_bytes(self, data: bytes) -> None:
-        self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
-
-    def recv_bytes(self, num_bytes: int) -> bytes:
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        self.broadcast(buffer)
-        return buffer.cpu().numpy().tobytes()
-
-
-class WeightSender:
-    """Trainer rank 0's side: owns the rendezvous store (for its whole life) and the current group."""
-
-    def __init__(self, config: DistributedSyncConfig):
-        self.config = config
-        self.group_id: str | None = None
-        self._store: dist.TCPStore | None = None
-        self._group: _Group | None = None
-        self._world_size = 0
-        self._transport = ""
-
-    def plan(self, *, num_servers: int, transport: str, master_addr: str) -> list[dict[str, Any]]:
-        """Starts a new group; returns what each server must be told to join it (ranks 1..N)."""
-        if self._store is None:
-            timeout = timedelta(seconds=self.config.weight_sync_timeout_s)
-            self._store = dist.TCPStore(master_addr, self.config.weight_sync_port, None, True, timeout, wait_for_workers=False)
-        self.close_group()
-        self.group_id, self._world_size, self._transport = uuid.uuid4().hex[:12], num_servers + 1, transport
-        return [
-            dict(
-                master_addr=master_addr,
-                master_port=self._store.port,
-                rank=rank,
-                world_size=self._world_size,
-                transport=transport,
-                group_id=self.group_id,
-                timeout_s=self.config.weight_sync_timeout_s,
-            )
-            for rank in range(1, num_servers + 1)
-        ]
-
-    def connect(self, device: torch.device) -> None:
-        """Blocks until every server joined the planned group (or the deadline passed)."""
-        assert self._store is not None and self.group_id is not None
-        store = dist.PrefixStore(f"tandem/{self.group_id}", self._store)
-        self._group = _Group(
-            store, rank=0, world_size=self._world_size, transport=self._transport, timeout_s=self.config.weight_sync_timeout_s, device=device
-        )
-
-    def send(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[int, int]:
-        """Broadcasts every tensor, bucket by bucket, then the end mark. Returns (tensors, bytes)."""
-        group = self._group
-        assert group is not None, "send() before connect()"
-        bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
-        wire_device = None if group.transport == "ipc" else group.device
-        num_tensors = num_bytes = 0
-        for meta, flat in pack_buckets(weights, bucket_bytes, wire_device):
-            header: dict[str, Any] = {"tensors": meta}
-            if group.transport == "ipc":
-                torch.cuda.current_stream(flat.device).synchronize()
-                header["ipc"] = ipc.share(flat)
-            data = json.dumps(header).encode()
-            payload = 0 if group.transport == "ipc" else flat.numel()
-            group.broadcast(torch.tensor([len(data), payload], dtype=torch.int64, device=group.device))
-            group.send_bytes(data)
-            if group.transport == "ipc":
-                group.barrier()  # every server copied the bucket: its memory may be reused
-            else:
-                group.broadcast(flat)
-            num_tensors, num_bytes = num_tensors + len(meta), num_bytes + flat.numel()
-        group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
-        return num_tensors, num_bytes
-
-    def close_group(self) -> None:
-        self._group = None
-        self.group_id = None
-
-    def close(self) -> None:
-        self.close_group()
-        self._store = None
-
-
-class WeightReceiver:
-    """A rollout server's side: joins the trainer's group and receives whole updates into staging."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.group_id: str | None = None
-        self._group: _Group | None = None
-
-    def join(self, spec: dict[str, Any]) -> None:
-        """Blocks until the trainer and every other server joined (or the deadline passed)."""
-        self.close()
-        timeout = timedelta(seconds=spec["timeout_s"])
-        client = dist.TCPStore(spec["master_addr"], spec["master_port"], None, False, timeout)
-        store = dist.PrefixStore(f"tandem/{spec['group_id']}", client)
-        self._group = _Group(
-            store, rank=spec["rank"], world_size=spec["world_size"], transport=spec["transport"], timeout_s=spec["timeout_s"], device=self.device
-        )
-        self.group_id = spec["group_id"]
-
-    def receive(self) -> Named:
-        """Every tensor of one update, staged apart from the live weights. On any failure the group is
-        dropped (a broken collective cannot be resumed) and the error raised; nothing partial escapes."""
-        group = self._group
-        assert group is not None, "receive() outside a group"
-        staging: Named = []
-        try:
-            while True:
-                header = torch.zeros(2, dtype=torch.int64, device=group.device)
-                group.broadcast(header)
-                meta_len, payload_len = header.tolist()
-                if meta_len == 0:
-                    return staging
-                meta = json.loads(group.recv_bytes(meta_len))
-                if group.transport == "ipc":
-                    flat = ipc.open_shared(meta["ipc"], self.device).clone()
-                    torch.cuda.current_stream(self.device).synchronize()
-                    group.barrier()
-                else:
-                    flat = torch.empty(payload_len, dtype=torch.uint8, device=group.device)
-                    group.broadcast(flat)
-                staging += unpack_bucket(meta["tensors"], flat)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self._group = None
-        self.group_id = None
-
 
 class DistributedSync:
-    """WeightSync for server placement: publishes through the trainer's RemoteGenerator's client."""
+    """WeightSync for server placement, through the trainer's RolloutClient."""
 
-    def __init__(self, config: DistributedSyncConfig, generator: RemoteGenerator):
+    def __init__(self, config: DistributedSyncConfig, client: RolloutClient):
         self.config = config
-        self.generator = generator
+        self.client = client
+        self.sender = WeightSender(config)
 
     async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        await self.generator.client.update_weights_async(weights, version=version, sync=self.config)
-        self.generator.version = version
+        """Pushes every tensor to every server; `version` is live on all of them on return."""
+        stream = iter(weights)
+        first = next(stream, None)
+        if first is None:
+            raise ValueError("publish got no tensors")
+        try:
+            infos = await self.client.servers_ready()
+            if self.sender.group_id is None or any(i["weight_group"] != self.sender.group_id for i in infos):
+                await self._form_group(first[1], infos)
+            await self._push(itertools.chain([first], stream), version)
+        except Exception as error:
+            self.sender.close_group()
+            raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
 
     async def close(self) -> None:
-        pass
+        self.sender.close()
+
+    def transport(self, sample: Tensor, infos: list[dict[str, Any]]) -> str:
+        """auto: gloo for CPU weights, CUDA IPC when every server shares the trainer's GPU, else nccl."""
+        if self.config.weight_sync_backend != "auto":
+            return self.config.weight_sync_backend
+        uuid = ipc.device_uuid(sample.device)
+        return "gloo" if uuid is None else "ipc" if all(i["device_uuid"] == uuid for i in infos) else "nccl"
+
+    async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]]) -> None:
+        """(Re)forms the group with every server: after start, a failure, or a server restart."""
+        transport = self.transport(sample, infos)
+        master_addr = self.config.weight_sync_host or local_address_to(self.client.urls[0])
+        specs = self.sender.plan(num_servers=len(self.client.urls), transport=transport, master_addr=master_addr)
+        joins = asyncio.ensure_future(self.client.join_weight_group(specs, timeout_s=self.config.weight_sync_timeout_s + 10))
+        try:
+            await asyncio.to_thread(self.sender.connect, sample.device)
+            await joins
+        except Exception as error:
+            joins.cancel()
+            raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
+        log.info("weight-sync group %s formed with %d server(s) over %s", self.sender.group_id, len(self.client.urls), transport)
+
+    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
+        body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id}
+        updates = asyncio.ensure_future(self.client.announce_update(body, timeout_s=self.config.weight_sync_timeout_s))
+        try:
+            await asyncio.to_thread(self.sender.send, weights)
+            await updates
+        finally:
+            updates.cancel()
+
+
+def local_address_to(url: str) -> str:
+    """The local address that routes to `url`'s host (what a server uses to reach this trainer)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]

@@ -11,11 +11,11 @@ from tandemrl.weights.base import LocalSyncConfig, batched
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from tandemrl.generation.base import Generator
+    from tandemrl.generation.base import LocalGenerator
 
 
 class LocalSync:
-    def __init__(self, config: LocalSyncConfig, generator: Generator) -> None:
+    def __init__(self, config: LocalSyncConfig, generator: LocalGenerator) -> None:
         self.config = config
         self.generator = generator
 

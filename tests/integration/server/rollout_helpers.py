@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -21,6 +23,7 @@ from tandemrl.generation.hf import HFGenerator
 from tandemrl.generation.remote import RolloutClient
 from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig
+from tandemrl.weights.distributed import DistributedSync
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -128,10 +131,21 @@ def sync(mode: str = "drain", backend: str = "auto") -> DistributedSyncConfig:
     return DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=30, weight_sync_bucket_mb=0.1, update_mode=mode, weight_sync_backend=backend)
 
 
+_SYNCS: weakref.WeakKeyDictionary[RolloutClient, dict[str, DistributedSync]] = weakref.WeakKeyDictionary()
+
+
+def push(client: RolloutClient, weights: Iterable, *, version: int, config: DistributedSyncConfig) -> None:
+    """Publishes `weights` at `version` to the client's servers, as the trainer does; one DistributedSync
+    per client and config, so its group lives across pushes."""
+    syncs = _SYNCS.setdefault(client, {})
+    sync = syncs.setdefault(repr(config), DistributedSync(config, client))
+    asyncio.run(sync.publish(weights, version=version))
+
+
 TRAINER = """
 import sys, time
 sys.path.insert(0, {here!r})
-from rollout_helpers import trainer_model, sync
+from rollout_helpers import push, sync, trainer_model
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote import RolloutClient
 
@@ -143,7 +157,7 @@ def weights():
     yield from named[len(named) // 2 :]
 
 client = RolloutClient(RemoteConfig(urls=({url!r},)))
-client.update_weights(weights(), version=1, sync=sync(backend={backend!r}))
+push(client, weights(), version=1, config=sync(backend={backend!r}))
 """
 
 
@@ -185,14 +199,14 @@ def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, d
         resume.wait(60)
         yield from named[len(named) // 2 :]
 
-    def push() -> None:
+    def push_half() -> None:
         try:
-            client.update_weights(weights(), version=1, sync=sync(backend=backend))
+            push(client, weights(), version=1, config=sync(backend=backend))
         except BaseException as error:  # noqa: BLE001 - handed to the test thread
             errors.append(error)
 
     try:
-        pusher = threading.Thread(target=push)
+        pusher = threading.Thread(target=push_half)
         pusher.start()
         assert halfway.wait(120)
         server.kill()

@@ -13,6 +13,7 @@ from rollout_helpers import (
     kill_trainer_mid_sync_then_check_server,
     local_greedy,
     start_server,
+    push,
     sync,
     trainer_model,
 )
@@ -26,7 +27,7 @@ def test_kill_server_mid_request_raises_within_timeout_then_restart_reconnects_a
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=20, max_retries=3))
     try:
         model = trainer_model(tiny_model_dir, 5)
-        client.update_weights(model.named_parameters(), version=7, sync=sync())
+        push(client, model.named_parameters(), version=7, config=sync())
         server.post("/sleep", {"level": 1})  # requests now wait at the gate: the kill lands mid-request
         future = client.submit([5, 6, 7], GREEDY)
         time.sleep(0.5)
@@ -36,11 +37,11 @@ def test_kill_server_mid_request_raises_within_timeout_then_restart_reconnects_a
             future.result(timeout=30)
         assert time.monotonic() - start < 20
         with pytest.raises(RuntimeError, match="weight sync of version 8 failed"):
-            client.update_weights(model.named_parameters(), version=8, sync=sync())
+            push(client, model.named_parameters(), version=8, config=sync())
 
         server = start_server(tiny_model_dir, port=urlparse(server.url).port)
         assert client.readiness()[0]["policy_version"] == 0  # a fresh server: base weights
-        client.update_weights(model.named_parameters(), version=7, sync=sync())  # re-forms the group
+        push(client, model.named_parameters(), version=7, config=sync())  # re-forms the group
         assert client.readiness()[0]["policy_version"] == 7
         prompt_ids = tiny_tokenizer.encode("hello")
         assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)

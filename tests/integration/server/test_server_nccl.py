@@ -12,6 +12,7 @@ from rollout_helpers import (
     kill_trainer_mid_sync_then_check_server,
     local_greedy,
     start_server,
+    push,
     sync,
     trainer_model,
 )
@@ -37,7 +38,7 @@ def test_nccl_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
         model = trainer_model(tiny_model_dir, 11)
         on_gpu = {name: p.detach().to("cuda:0") for name, p in model.named_parameters()}
         for version in (1, 2):  # the second update reuses the group
-            client.update_weights(on_gpu.items(), version=version, sync=sync())  # auto: other GPU -> nccl
+            push(client, on_gpu.items(), version=version, config=sync())  # auto: other GPU -> nccl
             assert client.readiness()[0]["policy_version"] == version
         assert "(nccl)" in server.log_text()
         prompt_ids = tiny_tokenizer.encode("hello")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from rollout_helpers import GREEDY, local_greedy, sync, trainer_model
+from rollout_helpers import GREEDY, local_greedy, push, sync, trainer_model
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote import RolloutClient
@@ -26,7 +26,7 @@ def test_gloo_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
     for seed in (1, 2):  # the second update reuses the group
         version = client.readiness()[0]["policy_version"]
         model = trainer_model(tiny_model_dir, seed)
-        client.update_weights(model.named_parameters(), version=version + 1, sync=sync())
+        push(client, model.named_parameters(), version=version + 1, config=sync())
         assert client.readiness()[0]["policy_version"] == version + 1
         completion = client.generate(prompt_ids, GREEDY)
         assert completion.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
@@ -37,7 +37,7 @@ def test_gloo_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
 def test_drain_update_waits_for_in_flight_requests_which_keep_the_old_version(server, client, tiny_model_dir):
     version = client.readiness()[0]["policy_version"]
     ids = server.post("/generate", LONG).json()["request_ids"]
-    client.update_weights(trainer_model(tiny_model_dir, 3).named_parameters(), version=version + 1, sync=sync("drain"))
+    push(client, trainer_model(tiny_model_dir, 3).named_parameters(), version=version + 1, config=sync("drain"))
     results = server.post("/collect", {"request_ids": ids, "timeout_s": 0}).json()
     assert results["pending"] == []  # drain: the update went live only after they finished
     for r in results["results"]:
@@ -52,7 +52,7 @@ def test_pause_update_switches_running_requests_between_steps(server, client, ti
         ids = server.post("/generate", LONG).json()["request_ids"]
         while server.get("/ready").json()["num_running"] == 0:
             time.sleep(0.01)
-        client.update_weights(trainer_model(tiny_model_dir, 10 + attempt).named_parameters(), version=version + 1, sync=sync("pause"))
+        push(client, trainer_model(tiny_model_dir, 10 + attempt).named_parameters(), version=version + 1, config=sync("pause"))
         results = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()["results"]
         versions = [r["policy_versions"] for r in results]
         for v in versions:

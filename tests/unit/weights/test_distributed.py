@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.distributed import WeightReceiver, WeightSender, pack_buckets, unpack_bucket
+from tandemrl.weights.buckets import pack_buckets, unpack_bucket
+from tandemrl.weights.group import WeightReceiver, WeightSender
 
 
 def named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -90,7 +91,7 @@ def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update
 
 @pytest.mark.parametrize("preset", [None, "3"])
 def test_nccl_groups_are_built_to_survive_a_dead_peer_and_the_process_settings_are_restored(monkeypatch, preset):
-    from tandemrl.weights.distributed import NCCL_GROUP_ENV, nccl_errors_raise
+    from tandemrl.weights.group import NCCL_GROUP_ENV, nccl_errors_raise
 
     for name in NCCL_GROUP_ENV:
         if preset is None:
@@ -105,7 +106,7 @@ def test_nccl_groups_are_built_to_survive_a_dead_peer_and_the_process_settings_a
 
 
 def test_a_failed_nccl_collective_aborts_its_communicator_then_raises():
-    from tandemrl.weights.distributed import _Group
+    from tandemrl.weights.group import _Group
 
     class StuckPG:
         aborted = False

@@ -1,4 +1,5 @@
-"""The client of `tandem rollout` servers (RolloutClient): generation, readiness, admin and weight sync.
+"""The client of `tandem rollout` servers (RolloutClient): generation, readiness, admin, and the HTTP
+calls that announce a weight update (the tensors travel in weights/, which uses them).
 
 The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
 async callers await the same work. The calls submitted together leave together (batch.py: one
@@ -11,28 +12,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlparse
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import httpx
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.batch import Batcher, ServerError, json_or_raise
 from tandemrl.types import Completion, SamplingParams
-
-if TYPE_CHECKING:
-    from torch import Tensor
-
-    from tandemrl.weights.base import DistributedSyncConfig
-    from tandemrl.weights.distributed import WeightSender
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +42,7 @@ class RolloutClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ready = False
         self._waiting: asyncio.Future[None] | None = None  # the one readiness wait all calls share
-        self._sender: WeightSender | None = None
+        self.version = 0  # the policy version the servers last made live through this client
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
         self._thread.start()
@@ -89,13 +81,6 @@ class RolloutClient:
         """Each server's /ready answer (model, policy_version, queue depth, update in progress)."""
         return self._run(self._readiness()).result()
 
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
-        """Pushes every tensor to every server over the weight-sync group; `version` is live on return."""
-        self._run(self._update_weights(weights, version, sync)).result()
-
-    async def update_weights_async(self, weights: Iterable[tuple[str, Tensor]], *, version: int, sync: DistributedSyncConfig | None = None) -> None:
-        await asyncio.wrap_future(self._run(self._update_weights(weights, version, sync)))
-
     def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
         """POSTs `body` to `path` on every server (e.g. /sleep, /wake); their JSON answers."""
         return self._run(self._post_all(path, body or {})).result()
@@ -104,8 +89,6 @@ class RolloutClient:
         if self._loop.is_closed():
             return
         self._run(self._http.aclose()).result()
-        if self._sender is not None:
-            self._sender.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
@@ -171,73 +154,35 @@ class RolloutClient:
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
 
-    # --- weight sync ------------------------------------------------------------------------
+    # --- weight-sync announcements (weights/distributed.py moves the tensors) --------------------
 
-    async def _update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig | None) -> None:
-        from tandemrl.weights.base import DistributedSyncConfig
-        from tandemrl.weights.distributed import WeightSender
+    async def servers_ready(self) -> list[dict[str, Any]]:
+        """Waits until every server is ready; each one's /ready answer (device_uuid, weight_group)."""
+        return await self._on_loop(self._ready_then_readiness())
 
-        sync = sync or (self._sender.config if self._sender else DistributedSyncConfig())
-        if self._sender is None or self._sender.config != sync:
-            self._sender = WeightSender(sync)
-        stream = iter(weights)
-        first = next(stream, None)
-        if first is None:
-            raise ValueError("update_weights got no tensors")
-        try:
-            await self._ensure_ready()
-            infos = await self._readiness()
-            if self._sender.group_id is None or any(i["weight_group"] != self._sender.group_id for i in infos):
-                await self._form_group(first[1], infos, sync)
-            await self._push(itertools.chain([first], stream), version, sync)
-        except Exception as error:
-            self._sender.close_group()
-            raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
+    async def join_weight_group(self, specs: list[dict[str, Any]], *, timeout_s: float) -> None:
+        """Tells server i to join the weight-sync group as specs[i]; returns once every server joined."""
+        await self._on_loop(self._join(specs, timeout_s))
 
-    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int, sync: DistributedSyncConfig) -> None:
-        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
-        assert self._sender is not None
-        body = {"version": version, "mode": sync.update_mode, "group_id": self._sender.group_id}
-        updates = asyncio.ensure_future(self._post_all("/weights/update", body, sync.weight_sync_timeout_s + self.config.request_timeout_s))
-        try:
-            await asyncio.to_thread(self._sender.send, weights)
-            await updates
-        finally:
-            updates.cancel()
+    async def announce_update(self, body: dict[str, Any], *, timeout_s: float) -> None:
+        """Tells every server to receive an update over its group; returns once each made body's
+        version live (`timeout_s`: the transfer's deadline; the request's own is added)."""
+        await self._on_loop(self._post_all("/weights/update", body, timeout_s + self.config.request_timeout_s))
+        self.version = body["version"]
 
-    async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]], sync: DistributedSyncConfig) -> None:
-        """(Re)forms the group with every server: after start, a failure, or a server restart."""
-        from tandemrl.weights import ipc
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` on the client's loop and awaits it from the caller's; cancelling cancels it."""
+        return await asyncio.wrap_future(self._run(coro))
 
-        assert self._sender is not None
-        transport = sync.weight_sync_backend
-        if transport == "auto":
-            uuid = ipc.device_uuid(sample.device)
-            transport = "gloo" if uuid is None else "ipc" if all(i["device_uuid"] == uuid for i in infos) else "nccl"
-        master_addr = sync.weight_sync_host or _local_address_to(self.urls[0])
-        specs = self._sender.plan(num_servers=len(self.urls), transport=transport, master_addr=master_addr)
+    async def _ready_then_readiness(self) -> list[dict[str, Any]]:
+        await self._ensure_ready()
+        return await self._readiness()
 
-        async def join(url: str, spec: dict[str, Any]) -> None:
-            json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=sync.weight_sync_timeout_s + 10))
+    async def _join(self, specs: list[dict[str, Any]], timeout_s: float) -> None:
+        async def one(url: str, spec: dict[str, Any]) -> None:
+            json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=timeout_s))
 
-        joins = asyncio.gather(*(join(u, s) for u, s in zip(self.urls, specs)))
-        try:
-            await asyncio.to_thread(self._sender.connect, sample.device)
-            await joins
-        except Exception as error:
-            joins.cancel()
-            raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
-        log.info("weight-sync group %s formed with %d server(s) over %s", self._sender.group_id, len(self.urls), transport)
-
-
-def _local_address_to(url: str) -> str:
-    """The local address that routes to `url`'s host (what a server uses to reach this trainer)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
-        return probe.getsockname()[0]
+        await asyncio.gather(*(one(u, s) for u, s in zip(self.urls, specs)))
 
 
 def _wire_item(prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:

@@ -8,27 +8,19 @@ as the in-process engine would.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.client import RolloutClient
 from tandemrl.types import Completion, SamplingParams
 
-if TYPE_CHECKING:
-    from torch import Tensor
-
-    from tandemrl.weights.base import DistributedSyncConfig
-
 
 class RemoteGenerator:
-    """A Generator whose tokens come from rollout servers; `update_weights` pushes over the group."""
+    """A Generator whose tokens come from rollout servers. Its weights live on the servers: they
+    arrive through weights/distributed.py (DistributedSync over `client`), never through this object."""
 
-    def __init__(self, config: RemoteConfig, *, sync: DistributedSyncConfig | None = None):
+    def __init__(self, config: RemoteConfig):
         self.config = config
         self.client = RolloutClient(config)
-        self.sync = sync  # how update_weights reaches the servers (None: the defaults, or the last used)
-        self.version = 0
         self._this_tick: dict[asyncio.AbstractEventLoop, list[tuple[list[int], SamplingParams, asyncio.Future]]] = {}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
@@ -51,9 +43,10 @@ class RemoteGenerator:
         for (_, _, handed), future in zip(calls, futures):
             handed.set_result(future)
 
-    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        await self.client.update_weights_async(weights, version=version, sync=self.sync)
-        self.version = version
+    @property
+    def version(self) -> int:
+        """The version the servers last made live (announced through `client`)."""
+        return self.client.version
 
     async def sleep(self, level: int) -> None:
         await asyncio.to_thread(self.client.post_all, "/sleep", {"level": level})

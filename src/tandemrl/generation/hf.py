@@ -20,6 +20,7 @@ import torch
 
 from tandemrl.generation.base import HFConfig
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -33,18 +34,21 @@ class HFGenerator:
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.model = model or load_model(config.model, dtype=resolve_dtype(config.dtype, self.device), device=self.device)
         self._lock = threading.Lock()
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._this_tick: TickBatcher[tuple[list[int], SamplingParams, asyncio.Future]] = TickBatcher(self._queue)
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []  # ticks waiting for a generate call
         self._flush_task: asyncio.Task | None = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt_ids, params, future))
-        if self._flush_task is None or self._flush_task.done():
-            self._flush_task = asyncio.create_task(self._flush())
+        self._this_tick.add((prompt_ids, params, future))
         return await future
 
+    def _queue(self, calls: list[tuple[list[int], SamplingParams, asyncio.Future]]) -> None:
+        self._pending += calls
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.create_task(self._flush())
+
     async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let the other requests of this tick arrive
         while self._pending:
             pending, self._pending = self._pending, []
             by_params: dict[SamplingParams, list] = {}

@@ -33,6 +33,7 @@ from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,10 @@ class Engine:
         self._ahead: tuple[ScheduledBatch, Launched, int] | None = None  # that step and its version, in flight
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending_by_loop: dict[asyncio.AbstractEventLoop, list[Sequence]] = {}
+        # requests submitted in one event-loop tick reach the engine together, so they share a step: a
+        # step's batch is then a function of what was submitted, not of thread timing, and a synchronous
+        # pipeline (all of a step's requests at once) is bitwise reproducible, resume included
+        self._this_tick: TickBatcher[Sequence] = TickBatcher(self._add_many)
         self._streaming: set[Sequence] = set()  # engine thread only: unfinished sequences with on_token
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
@@ -101,31 +105,18 @@ class Engine:
             on_finish=lambda completion: _resolve_threadsafe(loop, future, completion),
             on_token=None if on_token is None else lambda token_id: loop.call_soon_threadsafe(on_token, token_id),
         )
-        self._add_this_tick(loop, seq)
+        self._this_tick.add(seq)
         try:
             return await future
         except asyncio.CancelledError:
-            pending = self._pending_by_loop.get(loop, [])
-            if any(s is seq for s in pending):  # cancelled before its tick was flushed: never sent
-                pending[:] = [s for s in pending if s is not seq]
+            if self._this_tick.discard(seq):  # cancelled before its tick was handed over: never sent
                 raise
             self._inbox.put(("abort", seq))
             self._wake.set()
             raise
 
-    def _add_this_tick(self, loop: asyncio.AbstractEventLoop, seq: Sequence) -> None:
-        """Requests submitted in one event-loop tick reach the engine together, so they share a step.
-
-        This makes a step's batch a function of what was submitted, not of thread timing: a synchronous
-        pipeline (all of a step's requests at once) is then bitwise reproducible, resume included.
-        """
-        pending = self._pending_by_loop.setdefault(loop, [])
-        pending.append(seq)
-        if len(pending) == 1:
-            loop.call_soon(self._flush_tick, loop)
-
-    def _flush_tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._inbox.put(("add_many", self._pending_by_loop.pop(loop, [])))
+    def _add_many(self, seqs: list[Sequence]) -> None:
+        self._inbox.put(("add_many", seqs))
         self._wake.set()
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ class Batcher:
         self._in_flight = dict.fromkeys(urls, 0)
         self._down_until = dict.fromkeys(urls, 0.0)
         self._turn = itertools.count()
-        self._this_tick: list[Call] = []
-        self._aborts: dict[str, list[str]] = {}
+        self._this_tick: TickBatcher[Call] = TickBatcher(self._flush)
+        self._aborts: TickBatcher[tuple[str, str]] = TickBatcher(self._flush_aborts)  # (url, request id)
         self._tasks: set[asyncio.Task] = set()  # strong references to the sends in flight
 
     def add(self, item: dict[str, Any]) -> asyncio.Future[Completion]:
@@ -61,13 +62,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         call = Call(item, loop.create_future())
         call.future.add_done_callback(lambda _: self._settled(call))
-        self._this_tick.append(call)
-        if len(self._this_tick) == 1:
-            loop.call_soon(self._flush)
+        self._this_tick.add(call)
         return call.future
 
-    def _flush(self) -> None:
-        calls, self._this_tick = [c for c in self._this_tick if not c.future.done()], []
+    def _flush(self, calls: list[Call]) -> None:
+        calls = [c for c in calls if not c.future.done()]
         by_url: dict[str, list[Call]] = {}
         for call in calls:
             call.url = self._pick()
@@ -88,12 +87,12 @@ class Batcher:
             return
         self._in_flight[call.url] -= 1
         if call.future.cancelled():
-            self._aborts.setdefault(call.url, []).append(call.item["request_id"])
-            if sum(map(len, self._aborts.values())) == 1:
-                asyncio.get_running_loop().call_soon(self._flush_aborts)
+            self._aborts.add((call.url, call.item["request_id"]))
 
-    def _flush_aborts(self) -> None:
-        aborts, self._aborts = self._aborts, {}
+    def _flush_aborts(self, cancelled: list[tuple[str, str]]) -> None:
+        aborts: dict[str, list[str]] = {}
+        for url, request_id in cancelled:
+            aborts.setdefault(url, []).append(request_id)
         for url, ids in aborts.items():
             for start in range(0, len(ids), MAX_ABORT_IDS):
                 self._spawn(self._abort(url, ids[start : start + MAX_ABORT_IDS]))

@@ -11,6 +11,7 @@ import asyncio
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.client import RolloutClient
+from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion, SamplingParams
 
 
@@ -21,19 +22,15 @@ class RemoteGenerator:
     def __init__(self, config: RemoteConfig):
         self.config = config
         self.client = RolloutClient(config)
-        self._this_tick: dict[asyncio.AbstractEventLoop, list[tuple[list[int], SamplingParams, asyncio.Future]]] = {}
+        self._this_tick: TickBatcher[tuple[list[int], SamplingParams, asyncio.Future]] = TickBatcher(self._hand_over)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        loop = asyncio.get_running_loop()
-        handed = loop.create_future()  # set to the client's future when this tick is handed over
-        calls = self._this_tick.setdefault(loop, [])
-        calls.append((prompt_ids, params, handed))
-        if len(calls) == 1:
-            loop.call_soon(self._hand_over, loop)
+        handed = asyncio.get_running_loop().create_future()  # set to the client's future when this tick is handed over
+        self._this_tick.add((prompt_ids, params, handed))
         return await asyncio.wrap_future(await handed)
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
-        calls = [c for c in self._this_tick.pop(loop) if not c[2].cancelled()]
+    def _hand_over(self, calls: list[tuple[list[int], SamplingParams, asyncio.Future]]) -> None:
+        calls = [c for c in calls if not c[2].cancelled()]
         try:
             futures = self.client.submit_many([(prompt_ids, params) for prompt_ids, params, _ in calls])
         except RuntimeError as error:  # the client's loop is closed

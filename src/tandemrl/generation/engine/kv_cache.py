@@ -4,6 +4,9 @@ Invariants: a block is in exactly one of `free` or in use (ref_count > 0); a ful
 hash of every token up to its end, so a hit on block i implies hits on blocks 0..i-1; block 0 is a
 scratch block never handed out (padded rows of a CUDA graph write their KV there). After a weight
 update `reset_prefix_cache` forgets every hash, so no later request reuses KV of old weights.
+A sequence's decoded blocks are hashed when it leaves (finished or preempted), once every position
+of the block has its KV, so the next turn of a conversation (prompt + this completion + more) reuses
+them; a sequence that lived across a reset (two weight versions in its KV) hashes nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class BlockManager:
         # free blocks in LRU order; a freed block keeps its hash and may be revived by a later hit
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.epoch = 0  # reset_prefix_cache calls so far
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,6 +60,7 @@ class BlockManager:
         step), at least the last block is computed, so a sequence never writes into a shared block.
         """
         assert not seq.block_table
+        seq.cache_epoch = self.epoch
         size, parent, miss = self.block_size, 0, False
         num_blocks = self.num_blocks_for(seq.num_tokens)
         hashes = []
@@ -102,6 +107,8 @@ class BlockManager:
         block.hash, block.token_ids = -1, ()
 
     def deallocate(self, seq: Sequence) -> None:
+        if seq.cache_epoch == self.epoch:
+            self._hash_written_blocks(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -109,6 +116,18 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+
+    def _hash_written_blocks(self, seq: Sequence) -> None:
+        """Hashes the full blocks of `seq` whose KV is all written: every position but the last token's
+        (sampled, never run through the model). A hash already cached elsewhere keeps its block."""
+        size, parent = self.block_size, 0
+        for i in range(min((seq.num_tokens - 1) // size, len(seq.block_table))):
+            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent = hash((parent, chunk))
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1 and parent not in self.hash_to_block:
+                block.hash, block.token_ids = parent, chunk
+                self.hash_to_block[parent] = block.block_id
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the token at position num_tokens - 1 (written by the next decode)."""
@@ -127,3 +146,4 @@ class BlockManager:
             block = self.blocks[block_id]
             block.hash, block.token_ids = -1, ()
         self.hash_to_block.clear()
+        self.epoch += 1

@@ -44,6 +44,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    cache_epoch: int = 0  # BlockManager.epoch when the blocks were allocated
     logprobs: list[float] = field(default_factory=list)  # [T]
     policy_versions: list[int] = field(default_factory=list)  # [T]
     finish_reason: FinishReason | None = None

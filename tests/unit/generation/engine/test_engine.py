@@ -280,3 +280,21 @@ def test_first_tokens_of_many_seeded_requests_follow_the_softmax(family_dirs):
     keep = expected > 5
     assert float(((observed - expected)[keep] ** 2 / expected[keep]).sum()) < 20.5  # 5 dof, p = 0.001
     run(engine.close())
+
+
+def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(family_dirs):
+    """Multi-turn: turn 2's prompt is turn 1's prompt + completion + more; the decoded full blocks of
+    turn 1 are prefix hits, and turn 2's tokens equal those of an engine with nothing cached."""
+    engine, fresh = make_engine(family_dirs["qwen2"], block_size=4), make_engine(family_dirs["qwen2"], block_size=4)
+    try:
+        prompt = engine.tokenizer.encode("the answer is")
+        first = run(engine.generate(prompt, SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)))
+        second_prompt = prompt + first.token_ids + engine.tokenizer.encode(" more")
+        hits = engine.stats()["engine/num_prefix_hit_tokens"]
+        second = run(engine.generate(second_prompt, GREEDY))
+        reused = engine.stats()["engine/num_prefix_hit_tokens"] - hits
+        assert reused == (len(prompt) + len(first.token_ids) - 1) // 4 * 4 > len(prompt)
+        assert second.token_ids == run(fresh.generate(second_prompt, GREEDY)).token_ids
+    finally:
+        run(engine.close())
+        run(fresh.close())

@@ -70,3 +70,29 @@ def test_append_takes_a_block_only_at_a_block_boundary():
     s.token_ids.append(6)
     blocks.may_append(s)
     assert len(s.block_table) == 2
+
+
+def test_a_finished_sequences_decoded_blocks_serve_its_next_turn():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    turn = seq(list(range(5)))
+    blocks.allocate(turn)
+    for token in range(100, 106):  # decode 6 tokens: positions 5..10; the last one's KV is never written
+        turn.token_ids.append(token)
+        blocks.may_append(turn)
+    table = list(turn.block_table)
+    blocks.deallocate(turn)
+    next_turn = seq(turn.token_ids + [7, 7, 7, 7, 7])
+    blocks.allocate(next_turn)
+    assert next_turn.num_cached_tokens == 8 and next_turn.block_table[:2] == table[:2]  # block 2 holds the unwritten position 10
+
+
+def test_a_sequence_that_lived_across_a_reset_hashes_nothing():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    turn = seq(list(range(5)))
+    blocks.allocate(turn)
+    blocks.reset_prefix_cache()  # a weight update mid-sequence: its KV mixes two versions
+    for token in range(100, 106):
+        turn.token_ids.append(token)
+        blocks.may_append(turn)
+    blocks.deallocate(turn)
+    assert not blocks.hash_to_block

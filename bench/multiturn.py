@@ -1,0 +1,174 @@
+"""Multi-turn rollout throughput of our engine (tokens/s, tool calls/s) on a random-weight Qwen2.5-0.5B shape.
+
+Three ways to sample the same tokens, in one process, each timed warm:
+- single_turn: 64 prompts x 8 samples, 128 prompt tokens, one turn of 3 x T sampled tokens (the reference);
+- multiturn: the same rollouts as 3 turns of T tokens through rollout/run.py, a 50 ms tool call between
+  turns (an async Python tool through the ToolBox), each turn's prompt the whole conversation so far, so
+  the engine's prefix cache reuses earlier turns and rollouts run through their turns independently;
+- turn_at_a_time: the same 3 turns played in lockstep (every rollout's turn k, then all tool calls, then
+  turn k + 1) with the prefix cache emptied before each turn: every turn re-prefills its whole history.
+Random weights never write the end-of-turn token, so each turn samples exactly T tokens (ignore_eos) and
+is then treated as stopped. Required: multiturn keeps >= 70% of single_turn's tokens/s.
+Prints one JSON line per mode and two ratio lines.
+
+    python bench/multiturn.py                      # H200: 0.5B shape, 64 x 8, T = 128 (about 1-2 minutes)
+    python bench/multiturn.py --toy --device cpu   # CPU check: a 2-layer model, 4 x 2, T = 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import time
+
+import torch
+
+from tandemrl.generation.base import EngineConfig
+from tandemrl.generation.engine import Engine
+from tandemrl.rollout.chat import ChatFormat, ToolCall
+from tandemrl.rollout.group import play_group
+from tandemrl.rollout.run import MultiTurn
+from tandemrl.rollout.tools import ToolBox, python_tool
+from tandemrl.tasks.tiny import build_tokenizer
+from tandemrl.types import Completion, Example, SamplingParams
+
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+}
+NUM_TURNS = 3
+
+
+async def lookup(key: str) -> str:
+    """A tool that takes 50 ms, like a remote lookup.
+
+    Args:
+        key: What to look up.
+    """
+    await asyncio.sleep(0.05)
+    return f"value of {key}: 4821"
+
+
+class BenchEnv:
+    """Calls the 50 ms tool after every turn but the last (random text holds no parsable call)."""
+
+    def __init__(self, toolbox: ToolBox):
+        self.toolbox, self.tools = toolbox, toolbox.schemas
+
+    async def step(self, example: Example, messages: list) -> list:
+        if sum(m["role"] == "assistant" for m in messages) >= NUM_TURNS:
+            return []
+        return [{"role": "tool", "content": await self.toolbox.call(ToolCall(name="lookup", arguments={"key": "x"}))}]
+
+
+class FixedTurns:
+    """The engine, with every turn exactly max_tokens long and reported as stopped (see module docstring)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.version = engine, engine.version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        completion = await self.engine.generate(prompt_ids, dataclasses.replace(params, ignore_eos=True, stop_token_ids=()))
+        return dataclasses.replace(completion, finish_reason="stop")
+
+
+def build_model(shape: str, device: str):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, **SHAPES[shape],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+async def run_multiturn(engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int, mt: MultiTurn, tokenizer) -> dict:
+    generator = FixedTurns(engine)
+    params = SamplingParams(max_tokens=turn_tokens, temperature=1.0)
+    groups = await asyncio.gather(*(
+        play_group(Example(prompt="", index=i), p, generator=generator, params=params, group_size=group_size, tokenizer=tokenizer,
+                   seed=i * group_size, multi_turn=mt)
+        for i, p in enumerate(prompts)
+    ))  # fmt: skip
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert len(rollouts) == len(prompts) * group_size and all(len(r.turns) == NUM_TURNS for r in rollouts)
+    return {"sampled_tokens": sum(r.trace.num_sampled for r in rollouts), "tool_calls": sum(m["role"] == "tool" for r in rollouts for m in r.messages)}
+
+
+async def run_single_turn(engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int) -> dict:
+    params = [SamplingParams(max_tokens=NUM_TURNS * turn_tokens, temperature=1.0, ignore_eos=True, seed=s) for s in range(len(prompts) * group_size)]
+    completions = await asyncio.gather(*(engine.generate(prompts[i // group_size], p) for i, p in enumerate(params)))
+    return {"sampled_tokens": sum(len(c.token_ids) for c in completions), "tool_calls": 0}
+
+
+async def run_turn_at_a_time(engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int, mt: MultiTurn) -> dict:
+    histories = [list(p) for p in prompts for _ in range(group_size)]
+    sampled = calls = 0
+    for turn in range(NUM_TURNS):
+        await engine.update_weights([], version=engine.version)  # empties the prefix cache, changes no weight
+        params = [SamplingParams(max_tokens=turn_tokens, temperature=1.0, ignore_eos=True, seed=s) for s in range(len(histories))]
+        completions = await asyncio.gather(*(engine.generate(h, p) for h, p in zip(histories, params)))
+        sampled += sum(len(c.token_ids) for c in completions)
+        if turn == NUM_TURNS - 1:
+            break
+        answers = await asyncio.gather(*(mt.env.step(Example(prompt=""), [{"role": "assistant", "content": ""}]) for _ in histories))
+        calls += len(answers)
+        for history, completion, answer in zip(histories, completions, answers):
+            history += completion.token_ids + mt.chat.delta_ids(answer, last_sampled_id=completion.token_ids[-1])
+    return {"sampled_tokens": sampled, "tool_calls": calls}
+
+
+def timed(label: str, engine: Engine, make, config: dict) -> dict:
+    asyncio.run(make(small=True))  # warm: kernels compile, graphs are captured, the allocator settles
+    asyncio.run(engine.update_weights([], version=engine.version))  # nothing cached from the warm-up
+    before = engine.stats()
+    started = time.perf_counter()
+    counts = asyncio.run(make(small=False))
+    seconds = time.perf_counter() - started
+    after = engine.stats()
+    prefill = {k.split("/")[1]: int(after[k] - before[k]) for k in ("engine/num_prefill_tokens", "engine/num_prefix_hit_tokens")}
+    row = {"mode": label, **config, **counts, **prefill, "seconds": round(seconds, 3),
+           "tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "tool_calls_per_s": round(counts["tool_calls"] / seconds, 1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--toy", action="store_true", help="a 2-layer model, 4 prompts x 2, 8 tokens a turn (CPU check)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num_prompts", type=int, default=None)
+    parser.add_argument("--group_size", type=int, default=None)
+    parser.add_argument("--turn_tokens", type=int, default=None)
+    args = parser.parse_args()
+    shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else ("0.5b", 64, 8, 128)
+    num_prompts, group_size, turn_tokens = args.num_prompts or num_prompts, args.group_size or group_size, args.turn_tokens or turn_tokens
+    model = build_model(shape, args.device)
+    tokenizer = build_tokenizer()  # ChatML template; its ids are valid ids of the bigger vocab
+    rng = random.Random(0)
+    prompts = [[rng.randrange(400, SHAPES[shape]["vocab_size"]) for _ in range(128)] for _ in range(num_prompts)]
+    toolbox = ToolBox([python_tool(lookup)], timeout_s=5)
+    mt = MultiTurn(env=BenchEnv(toolbox), chat=ChatFormat(tokenizer, toolbox.schemas), max_turns=NUM_TURNS, max_total_tokens=2048)
+    engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048), model=model, tokenizer=tokenizer)
+    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50}
+
+    def part(small: bool) -> list[list[int]]:
+        return prompts[:2] if small else prompts
+
+    single = timed("single_turn", engine, lambda small: run_single_turn(engine, part(small), group_size, turn_tokens), config)
+    multi = timed("multiturn", engine, lambda small: run_multiturn(engine, part(small), group_size, turn_tokens, mt, tokenizer), config)
+    naive = timed("turn_at_a_time", engine, lambda small: run_turn_at_a_time(engine, part(small), group_size, turn_tokens, mt), config)
+    asyncio.run(engine.close())
+    kept = multi["tokens_per_s"] / single["tokens_per_s"]
+    print(f"multiturn / single_turn tokens/s: {kept:.2f} (required >= 0.70: {'met' if kept >= 0.7 else 'NOT met'})")
+    print(f"multiturn / turn_at_a_time tokens/s: {multi['tokens_per_s'] / naive['tokens_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,12 @@
 """Chat turns in tokens, and tool calls out of the model's text.
 
 Invariant (token-in, token-out): sampled tokens are never re-tokenised. After an assistant turn only
-the environment's messages are rendered, as the chat template's token delta: the text the template puts
-after an assistant message (e.g. ChatML's "\\n" after "<|im_end|>", or the whole "<|im_end|>\\n" when
-the model stopped otherwise), then those messages, then the next assistant turn's opening.
+the environment's messages are rendered, as the chat template's token delta: the template renders a
+stand-in conversation whose assistant turn is a marker, followed by those messages, and the delta is
+the text after the marker: the assistant turn's closing (e.g. ChatML's "<|im_end|>\\n", less the
+"<|im_end|>" when the model sampled it), the messages, the next assistant turn's opening. Cutting
+after the marker, not after a render of the stand-in alone, also serves templates that render the last
+assistant turn differently from earlier ones (Qwen3's empty <think> block).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from tandemrl.plugins import load_object
 from tandemrl.types import Message
 
 _MARK = "@@tandem-turn@@"  # content of the stand-in assistant message the delta is cut after
-_STAND_IN = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+_TURNS = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+_STAND_INS = ([{"role": "system", "content": "s"}, *_TURNS], _TURNS)  # the second for templates without a system role
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,20 +82,17 @@ def build_parser(name: str) -> ToolCallParser:
 
 
 class ChatFormat:
-    """The token deltas of one tokenizer's chat template, computed once per run."""
+    """The token deltas of one tokenizer's chat template (and tools), for the turns of a rollout."""
 
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template; use an -Instruct model")
         self.tokenizer, self.tools = tokenizer, tools or None
-        self._base = self._render(_STAND_IN, add_generation_prompt=False)
-        suffix = self._base[self._base.rindex(_MARK) + len(_MARK) :]
-        suffix_ids = self._encode(suffix)
-        self.end_of_turn_id: int | None = suffix_ids[0] if suffix_ids else None
+        self._stand_in = _STAND_INS[0] if self._renders(_STAND_INS[0]) else _STAND_INS[1]
+        closing_ids = self._encode(self._after_mark([{"role": "user", "content": "u"}], add_generation_prompt=False))
+        self.end_of_turn_id: int | None = closing_ids[0] if closing_ids else None
         """The token that ends an assistant turn (ChatML: <|im_end|>); generation stops on it."""
-        end_text = self.tokenizer.decode(suffix_ids[:1])
-        self._suffix = suffix
-        self._after_end = suffix[len(end_text) :] if end_text and suffix.startswith(end_text) else suffix
+        self._end_text = self.tokenizer.decode(closing_ids[:1])
 
     def delta_ids(self, messages: list[Message], *, last_sampled_id: int | None) -> list[int]:
         """Context tokens that follow a sampled assistant turn: its closing, `messages`, the next opening.
@@ -99,12 +100,26 @@ class ChatFormat:
         Example (ChatML, turn ended by <|im_end|>), [tool "7"] -> ids of
         "\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"
         """
-        full = self._render(_STAND_IN + messages, add_generation_prompt=True)
-        if not full.startswith(self._base):
-            raise ValueError("the chat template renders earlier turns differently once later ones follow; "
-                             "multi-turn rollouts need a template whose past turns do not change")
-        closing = self._after_end if last_sampled_id == self.end_of_turn_id else self._suffix
-        return self._encode(closing + full[len(self._base) :])
+        text = self._after_mark(messages, add_generation_prompt=True)
+        if last_sampled_id is not None and last_sampled_id == self.end_of_turn_id and text.startswith(self._end_text):
+            text = text[len(self._end_text) :]
+        return self._encode(text)
+
+    def _after_mark(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
+        full = self._render(self._stand_in + messages, add_generation_prompt=add_generation_prompt)
+        if full.count(_MARK) != 1:
+            raise ValueError("the chat template does not render an assistant message's content once, as given; "
+                             "multi-turn rollouts need a template that does")
+        return full[full.index(_MARK) + len(_MARK) :]
+
+    def _renders(self, messages: list[Message]) -> bool:
+        from jinja2 import TemplateError
+
+        try:
+            self._render(messages, add_generation_prompt=False)
+        except TemplateError:  # raise_exception in the template: e.g. a template without a system role
+            return False
+        return True
 
     def _render(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

@@ -134,3 +134,29 @@ def test_bad_calls_become_the_tools_answer(tiny_tokenizer, text, answer):
     rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
     assert rollout.status is RolloutStatus.OK and len(rollout.turns) == 2
     assert answer in rollout.messages[1]["content"]
+
+
+# Qwen3-like: the last assistant turn gets an empty think block, earlier ones do not; no system role
+QWEN3_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+    "{% elif m['role'] == 'assistant' and loop.last %}<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_templates_that_render_the_last_turn_differently_get_the_right_delta(tiny_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = QWEN3_LIKE
+    generator, mt, prompt, prompt_ids, script = setup(tokenizer, TEXTS)
+    rollout = run(generator, mt, prompt, prompt_ids, tokenizer)
+    assert [m["role"] for m in rollout.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    trace, turns = rollout.trace, rollout.turns
+    between = [tokenizer.decode(trace.token_ids[a.end : b.start]) for a, b in zip(turns, turns[1:])]
+    assert between == [f"\n<|im_start|>user\n<tool_response>\n{v}\n</tool_response><|im_end|>\n<|im_start|>assistant\n" for v in (5, 9)]
+    assert mt.chat.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # a turn that stopped otherwise (no <|im_end|> sampled) gets the whole closing as context
+    assert tokenizer.decode(mt.chat.delta_ids([{"role": "tool", "content": "1"}], last_sampled_id=5)).startswith("<|im_end|>\n<|im_start|>user")

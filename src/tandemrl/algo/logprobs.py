@@ -1,32 +1,129 @@
 """Token logprobs and entropy from hidden states, without ever holding float32 logits for all tokens.
 
 Legend: N tokens, H hidden size, V vocab, C chunk size.
-Invariant: at most C x V logits exist at a time, in forward and in backward: each chunk runs under
-non-reentrant activation checkpointing, so autograd saves only the chunk's hidden states and the
-backward recomputes its logits (the Liger / "cut cross-entropy" trade of compute for memory).
+Invariant: at most C x V logits exist at a time, in forward and in backward. The head is one autograd
+function (linear + log-softmax + gather, the Liger / "cut cross-entropy" trade of compute for memory):
+forward keeps only its inputs and each row's log-sum-exp; backward recomputes a chunk's logits, turns
+them into the gradient of the logits, and multiplies it into the gradients of the hidden states and of
+the head's weight. Matmuls run in the weight's dtype (bf16 on the GPU path); logits, softmax and the
+weight's gradient accumulate in float32.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs_and_entropy(
-    hidden: Tensor, lm_head: torch.nn.Module, target_ids: Tensor, temperature: float
-) -> tuple[Tensor, Tensor]:
-    """log softmax(lm_head(h) / T)[target] and the entropy of that distribution, for one chunk.
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with a float32 result, accumulated in float32 also when the inputs are 16-bit."""
+    if a.dtype != torch.float32 and a.is_cuda and _mm_out_dtype_works():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
-    Example: logits [[0, 0]], target [1], T 1 -> logprobs [-ln 2], entropy [ln 2]
+
+def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V]."""
+    logits = _mm_f32(hidden, weight.t())  # [C, V]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+@functools.cache
+def _mm_out_dtype_works() -> bool:
+    """torch.mm(..., out_dtype=float32) on 16-bit CUDA inputs (torch >= 2.8); else logits round through bf16."""
+    try:
+        x = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def _row_stats(logits: Tensor, target_ids: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-sum-exp, target logprob and (optionally) entropy of each row. logits [C, V] float32.
+
+    Example: logits [[0, 0]], target [1] -> lse [ln 2], logprobs [-ln 2], entropy [ln 2]
     """
-    logits = lm_head(hidden).float() / temperature  # [C, V]
-    logsumexp = torch.logsumexp(logits, dim=-1)  # [C]
-    logprobs = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - logsumexp  # [C]
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)  # [C, V]
-        entropy = logsumexp - (probs * logits).sum(-1)  # [C]
-    return logprobs, entropy
+    lse = torch.logsumexp(logits, dim=-1)  # [C]
+    logprobs = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - lse  # [C]
+    if not with_entropy:
+        return lse, logprobs, torch.zeros_like(lse)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C]
+    return lse, logprobs, entropy
+
+
+def _logits_grad(
+    logits: Tensor, lse: Tensor, target_ids: Tensor, grad: Tensor, entropy: Tensor, grad_entropy: Tensor, temperature: float
+) -> Tensor:
+    """d(sum_i grad_i * logprob_i + grad_entropy_i * entropy_i) / d(raw logits), float32 [C, V].
+
+    With z = logits / T and p = softmax(z): d logprob / dz = onehot(target) - p and
+    d entropy / dz = -p (z - E_p[z]), E_p[z] = lse - entropy; both divided by T for the raw logits.
+    """
+    probs = torch.exp(logits - lse.unsqueeze(-1))  # [C, V]
+    out = probs * (-grad.unsqueeze(-1) - grad_entropy.unsqueeze(-1) * (logits - (lse - entropy).unsqueeze(-1)))
+    out.scatter_add_(-1, target_ids.unsqueeze(-1), grad.unsqueeze(-1))
+    return out / temperature if temperature != 1.0 else out
+
+
+@functools.cache
+def _compiled(fn):
+    """The elementwise and reduction parts fused by torch.compile on CUDA (the matmuls stay cuBLAS's)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _maybe_compiled(fn, tensor: Tensor):
+    return _compiled(fn) if tensor.is_cuda and _COMPILE[0] else fn
+
+
+_COMPILE = [True]  # the trainer switches it off with --torch_compile false
+
+
+def set_compile(enabled: bool) -> None:
+    """Whether the head's elementwise parts run compiled on CUDA (a process-wide choice, made once)."""
+    _COMPILE[0] = enabled
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """logprobs [N] and entropy [N] of target_ids under softmax(hidden @ weight^T / T)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy):  # noqa: ANN001
+        logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+        stats = _maybe_compiled(_row_stats, hidden)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = _logits(hidden[rows], weight, temperature)  # [C, V]
+            lse[rows], logprobs[rows], entropy[rows] = stats(logits, target_ids[rows], with_entropy)
+        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
+        hidden, weight, target_ids, lse, entropy = ctx.saved_tensors
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(lse)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        logits_grad = _maybe_compiled(_logits_grad, hidden)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            logits = _logits(hidden[rows], weight, ctx.temperature)  # [C, V]
+            grad = logits_grad(
+                logits, lse[rows], target_ids[rows], grad_logprobs[rows].float(), entropy[rows], grad_entropy[rows].float(), ctx.temperature
+            )
+            grad = grad.to(weight.dtype)  # [C, V]
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad @ weight  # [C, H]
+            if grad_weight is not None:
+                grad_weight += _mm_f32(grad.t(), hidden[rows])  # [V, H], float32 across chunks
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -36,26 +133,22 @@ def logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Logprob of each target token under softmax(lm_head(hidden) / temperature), and its entropy.
 
-    hidden [N, H], target_ids [N] -> logprobs [N] float32 (with grad), entropy [N] float32 (detached).
-    Dividing by the sampling temperature scores tokens under the distribution they were sampled from.
+    hidden [N, H], target_ids [N] -> logprobs [N] float32, entropy [N] float32 (zeros unless
+    with_entropy; both carry gradients, so an entropy bonus can train). Dividing by the sampling temperature scores tokens under the
+    distribution they were sampled from. lm_head is a bias-free Linear (the Llama/Qwen head).
     Example: hidden [[1.0]], lm_head Linear(1, 2) with weight [[0], [0]], target [0] -> ([-ln 2], [ln 2])
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens (greedy has no logprobs), got {temperature}")
-    logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        chunk = slice(start, start + chunk_size)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(
-                _chunk_logprobs_and_entropy, hidden[chunk], lm_head, target_ids[chunk], temperature, use_reentrant=False
-            )
-        else:
-            lp, ent = _chunk_logprobs_and_entropy(hidden[chunk], lm_head, target_ids[chunk], temperature)
-        logprobs.append(lp)
-        entropies.append(ent.detach())
-    if not logprobs:
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("the output head has a bias; tandem's logprob head supports bias-free heads (Llama, Qwen, ...)")
+    if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(logprobs), torch.cat(entropies)  # [N], [N]
+    weight = lm_head.weight  # [V, H]
+    if hidden.dtype != weight.dtype:  # under autocast the decoder may hand over another dtype than the head's
+        hidden = hidden.to(weight.dtype)
+    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy)

@@ -27,7 +27,7 @@ class PackedTokens(Protocol):
 
 def _tokens_per_sequence(seq_index: Tensor, loss_mask: Tensor) -> Tensor:
     """Trained tokens of each position's sequence. Example: [0, 0, 1], [T, T, F] -> [2, 2, 0]."""
-    counts = torch.zeros(int(seq_index.max()) + 1, device=seq_index.device)  # [S]
+    counts = torch.zeros(seq_index.numel(), device=seq_index.device)  # [N] >= S slots: no wait for max()
     counts.index_add_(0, seq_index, loss_mask.float())
     return counts[seq_index]  # [N]
 
@@ -86,9 +86,8 @@ def sequence_level_ratio_logprobs(
     Example: logprobs [-1, -2], old [-1.1, -2.3], one sequence, all trained -> values [0.2, 0.2]
     """
     mask = loss_mask.float()  # [N]
-    num_sequences = int(seq_index.max()) + 1
     log_ratio = (logprobs - old_logprobs).detach() * mask  # [N]
-    sums = torch.zeros(num_sequences, device=logprobs.device).index_add_(0, seq_index, log_ratio)  # [S]
+    sums = torch.zeros(seq_index.numel(), device=logprobs.device).index_add_(0, seq_index, log_ratio)  # [N] >= S slots
     log_s = sums[seq_index] / _tokens_per_sequence(seq_index, loss_mask).clamp(min=1)  # [N]
     return log_s + logprobs - logprobs.detach()
 

@@ -9,8 +9,10 @@ attention_mask=None and use_cache=False, transformers then attends block-diagona
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,14 +37,11 @@ class PackedBatch:
     advantages: Tensor  # [N] float32, the sequence's advantage on each of its positions
     seq_index: Tensor  # [N] long, 0..S-1: which sequence a position belongs to
     policy_versions: Tensor  # [N] long, version that sampled the target (-1 where untrained)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.seq_index[-1]) + 1 if self.seq_index.numel() else 0
-
-    @property
-    def num_trained_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+    trained_index: Tensor  # [T] long, the positions where loss_mask is True
+    cu_seqlens: Tensor  # [S + 1] int32, where each sequence starts in the row (packed attention)
+    max_seqlen: int  # the longest sequence's length
+    num_sequences: int
+    num_trained_tokens: int  # T
 
 
 def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -77,26 +76,39 @@ def pack(traces: list[TokenTrace], advantages: list[float], device: torch.device
          old_logprobs [-.1, -.2, 0], advantages [1, 1, 1], seq_index [0, 0, 0]
     """
     assert len(traces) == len(advantages), "one advantage per trace"
-    cols: dict[str, list] = {k: [] for k in ("ids", "pos", "tgt", "mask", "lp", "adv", "seq", "ver")}
-    for s, (trace, advantage) in enumerate(zip(traces, advantages)):
-        length = len(trace.token_ids)
-        cols["ids"] += trace.token_ids
-        cols["pos"] += range(length)
-        cols["tgt"] += trace.token_ids[1:] + [0]
-        cols["mask"] += trace.loss_mask[1:] + [False]
-        cols["lp"] += trace.logprobs[1:] + [0.0]
-        cols["ver"] += trace.policy_versions[1:] + [-1]
-        cols["adv"] += [advantage] * length
-        cols["seq"] += [s] * length
-    behaviour = torch.tensor(cols["lp"], dtype=torch.float32, device=device)  # [N]
+    lengths = np.array([len(t.token_ids) for t in traces], dtype=np.int64)  # [S]
+    ends = np.cumsum(lengths)  # [S]
+    num_tokens = int(ends[-1]) if len(traces) else 0
+
+    def column(field: str, dtype, fill) -> np.ndarray:
+        """The traces' field laid end to end, shifted left by one within each trace, `fill` at each last position."""
+        values = np.fromiter(itertools.chain.from_iterable(getattr(t, field) for t in traces), dtype=dtype, count=num_tokens)
+        shifted = np.empty_like(values)
+        shifted[:-1] = values[1:]
+        shifted[ends - 1] = fill
+        return shifted
+
+    ids = np.fromiter(itertools.chain.from_iterable(t.token_ids for t in traces), dtype=np.int64, count=num_tokens)  # [N]
+    seq = np.repeat(np.arange(len(traces)), lengths)  # [N]
+    positions = np.arange(num_tokens) - np.repeat(ends - lengths, lengths)  # [N]
+    mask = column("loss_mask", np.bool_, False)  # [N]
+    # counts and layouts known here on the host, so the training loop never waits on the device for them
+    trained = np.flatnonzero(mask)  # [T]
+    on_device = lambda array, dtype: torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)  # noqa: E731
+    behaviour = on_device(column("logprobs", np.float32, 0.0), torch.float32)  # [N]
     return PackedBatch(
-        input_ids=torch.tensor([cols["ids"]], dtype=torch.long, device=device),
-        position_ids=torch.tensor([cols["pos"]], dtype=torch.long, device=device),
-        target_ids=torch.tensor(cols["tgt"], dtype=torch.long, device=device),
-        loss_mask=torch.tensor(cols["mask"], dtype=torch.bool, device=device),
+        input_ids=on_device(ids, torch.long).unsqueeze(0),
+        position_ids=on_device(positions, torch.long).unsqueeze(0),
+        target_ids=on_device(column("token_ids", np.int64, 0), torch.long),
+        loss_mask=on_device(mask, torch.bool),
         old_logprobs=behaviour.clone(),
         behaviour_logprobs=behaviour,
-        advantages=torch.tensor(cols["adv"], dtype=torch.float32, device=device),
-        seq_index=torch.tensor(cols["seq"], dtype=torch.long, device=device),
-        policy_versions=torch.tensor(cols["ver"], dtype=torch.long, device=device),
+        advantages=on_device(np.repeat(np.asarray(advantages, dtype=np.float32), lengths), torch.float32),
+        seq_index=on_device(seq, torch.long),
+        policy_versions=on_device(column("policy_versions", np.int64, -1), torch.long),
+        trained_index=on_device(trained, torch.long),
+        cu_seqlens=on_device(np.concatenate([[0], ends]), torch.int32),
+        max_seqlen=int(lengths.max(initial=0)),
+        num_sequences=len(traces),
+        num_trained_tokens=len(trained),
     )

@@ -24,18 +24,21 @@ class TrainerConfig:
     """After warm-up: constant, linear (to 0 at max_steps) or cosine (to 0 at max_steps)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
-    max_tokens_per_microbatch: int = 8192
-    """Token budget of one packed micro-batch (sequences packed without padding; attention within a micro-batch
-    is computed densely under a block-diagonal mask, so many short sequences favour smaller budgets)."""
-    logprob_chunk_size: int = 1024
-    """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one packed micro-batch (sequences packed without padding); 0 = auto: on a GPU chosen
+    from free memory (at most 16384), on CPU 8192. No-grad passes (reference, old policy) take 4x on a GPU."""
+    logprob_chunk_size: int = 2048
+    """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab (2048 x 152k: 1.2 GB)."""
+    torch_compile: bool = True
+    """On a GPU, torch.compile each decoder layer and the logprob head (the first steps pay the compile time)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Policy (master) weights and optimizer state: float32, or bfloat16 (then updates below bfloat16's
     resolution, e.g. lr 1e-6 on O(1e-2) weights, round to nothing)."""
     bf16: bool = True
-    """On GPU, run forward and backward under bfloat16 autocast (weights stay in --dtype)."""
+    """On GPU, run forward and backward on bfloat16 copies of float32 --dtype weights, refreshed once per
+    optimizer step; gradients accumulate in float32."""
     device: str = "auto"
     """Training device: auto (cuda if present), cpu or cuda."""
 
@@ -44,8 +47,8 @@ class TrainerConfig:
             raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.max_tokens_per_microbatch < 1:
-            raise ValueError("--max_tokens_per_microbatch must be >= 1")
+        if self.max_tokens_per_microbatch < 0:
+            raise ValueError("--max_tokens_per_microbatch must be >= 0 (0 = chosen from free memory)")
 
 
 @dataclass(kw_only=True)

@@ -2,13 +2,16 @@
 
 Sequences are packed without padding into micro-batches by token budget; every micro-batch's loss is
 weighted by counts of the whole optimizer step, so gradient accumulation equals one big batch.
+On CUDA the forward and backward run on 16-bit compute weights refreshed once per optimizer step
+(train/precision.py), with packed variable-length attention (train/attention.py), compiled decoder
+layers, and the fused logprob head over trained positions only (algo/logprobs.py). On CPU in float32
+the policy itself runs, with transformers' own attention: the reference path of every equivalence test.
 
 Legend: N packed tokens of a micro-batch, H hidden size, S sequences.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Any
@@ -20,6 +23,7 @@ from tandemrl.algo.loss import policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import TrainerConfig
+from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
 
 
@@ -35,14 +39,14 @@ class Trainer:
         self.policy_version = 0
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algo.beta > 0 else None
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        self.plan: ForwardPlan = forward_plan(config, model)
+        self.reference = self.plan.frozen_copy(model) if algo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
+            fused=self.device.type == "cuda",
         )
         total = max(1, max_steps * algo.num_iterations)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
@@ -51,39 +55,45 @@ class Trainer:
         """num_iterations optimizer steps over one batch; returns the step's metrics."""
         traces = [self._trainable(r.trace, r.status) for g in batch.groups for r in g.rollouts]
         advantages = batch.advantages()
-        plan = plan_microbatches([len(t.token_ids) for t in traces], self.config.max_tokens_per_microbatch)
+        budget = microbatch_budget(self.config, self.model, self.device)
+        plan = plan_microbatches([len(t.token_ids) for t in traces], budget)
         micro = [pack([traces[i] for i in idx], [advantages[i] for i in idx], self.device) for idx in plan]
         num_tokens = sum(m.num_trained_tokens for m in micro)
         if num_tokens == 0:
             return {"train/num_trained_tokens": 0.0}
         counts = dict(num_sequences=len(traces), num_tokens=num_tokens)
-        ref = [self._logprobs(self.reference, m)[0] for m in micro] if self.reference is not None else None
+        # no-grad passes (reference, old policy) only when the loss needs them, in larger micro-batches
+        scored = lambda model: self._score(model, traces, plan, budget * self.plan.no_grad_budget_factor)  # noqa: E731
+        ref = scored(self.reference) if self.reference is not None else None
         if self.algo.num_iterations > 1:  # the ratio's denominator: the policy before this batch's steps
-            for m in micro:
-                m.old_logprobs = self._logprobs(self.model, m)[0]
+            for m, old in zip(micro, scored(self.plan.forward_model(self.model, self.policy_version))):
+                m.old_logprobs = old
         metrics: dict[str, float] = {}
         for _ in range(self.algo.num_iterations):
             metrics = self._optimizer_step(micro, ref, counts, fresh_old=self.algo.num_iterations == 1)
         return metrics
 
     def _optimizer_step(self, micro: list[PackedBatch], ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        model = self.plan.forward_model(self.model, self.policy_version)
+        model.train()
+        self.plan.zero_grad(self.optimizer)
+        sums: dict[str, torch.Tensor] = {}
         for i, m in enumerate(micro):
-            loss, parts = self._micro_loss(m, None if ref is None else ref[i], counts, fresh_old=fresh_old)
+            loss, parts = self._micro_loss(model, m, None if ref is None else ref[i], counts, fresh_old=fresh_old)
             loss.backward()
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            self.plan.after_backward()
+            for key, value in parts.items():  # summed on the device: the loop never waits for it
+                sums[key] = sums[key] + value if key in sums else value
+        values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.policy_version += 1
-        return {**sums, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
+        return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
 
-    def _micro_loss(self, m: PackedBatch, ref: torch.Tensor | None, counts: dict, *, fresh_old: bool):
-        logprobs, entropy = self._forward(self.model, m)  # [N], [N]
+    def _micro_loss(self, model: Any, m: PackedBatch, ref: torch.Tensor | None, counts: dict, *, fresh_old: bool):
+        logprobs, entropy = self._forward(model, m)  # [N], [N]
         if fresh_old:  # one pass per batch: the ratio is 1 in value, its gradient is the policy gradient's
             m.old_logprobs = logprobs.detach()
         weights = token_weights(
@@ -95,23 +105,35 @@ class Trainer:
             tis_cap=self.algo.tis_cap, metric_weights=mean_weights,
         )
         metrics["loss"] = loss.detach()
-        metrics["entropy"] = (mean_weights * entropy).sum()
+        metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version
         metrics["train/logprob_mismatch"] = (mean_weights * (m.old_logprobs - m.behaviour_logprobs).abs()).sum()
         return loss, metrics
 
-    def _forward(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        autocast = self.config.bf16 and self.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            hidden = model.base_model(input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False).last_hidden_state  # [1, N, H]
-            return logprobs_and_entropy(
-                hidden[0], model.get_output_embeddings(), m.target_ids,
-                temperature=self.temperature, chunk_size=self.config.logprob_chunk_size,
-            )
+    def _forward(self, model: Any, m: PackedBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs and entropy [N] of the targets; only trained positions are scored (0 elsewhere)."""
+        hidden = model.base_model(
+            input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False, **self.plan.attention_kwargs(m)
+        ).last_hidden_state  # [1, N, H]
+        trained = m.trained_index  # [T]
+        logprobs, entropy = logprobs_and_entropy(
+            hidden[0, trained], model.get_output_embeddings(), m.target_ids[trained],
+            temperature=self.temperature, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy,
+        )  # fmt: skip
+        zeros = torch.zeros(m.target_ids.shape, dtype=torch.float32, device=m.target_ids.device)  # [N]
+        return zeros.index_put((trained,), logprobs), zeros.index_put((trained,), entropy)
 
     @torch.no_grad()
-    def _logprobs(self, model: Any, m: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._forward(model, m)
+    def _score(self, model: Any, traces: list[TokenTrace], plan: list[list[int]], budget: int) -> list[torch.Tensor]:
+        """Logprobs [N] of each training micro-batch in `plan`, computed in no-grad micro-batches of `budget` tokens."""
+        lengths = [len(t.token_ids) for t in traces]
+        per_trace: list[torch.Tensor] = [torch.empty(0)] * len(traces)
+        for idx in plan_microbatches(lengths, budget):
+            m = pack([traces[i] for i in idx], [0.0] * len(idx), self.device)
+            logprobs = self._forward(model, m, with_entropy=False)[0]
+            for i, part in zip(idx, logprobs.split([lengths[i] for i in idx])):
+                per_trace[i] = part
+        return [torch.cat([per_trace[i] for i in idx]) for idx in plan]
 
     def _trainable(self, trace: TokenTrace, status: RolloutStatus) -> TokenTrace:
         """Truncated rollouts are kept out of the loss when --mask_truncated_completions is set (DAPO)."""
@@ -137,6 +159,7 @@ class Trainer:
         self.policy_version = state["policy_version"]
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
+        self.plan.invalidate()  # the masters changed under the compute weights
 
 
 def lr_factor(step: int, config: TrainerConfig, total_steps: int) -> float:

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandemrl.algo.logprobs import logprobs_and_entropy
 
@@ -38,7 +39,7 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(temperature):
     hidden.grad, head.weight.grad = None, None
     ref_logprobs, ref_entropy = _plain(hidden, head, target_ids, temperature)
     (ref_logprobs * torch.linspace(-1, 1, len(logprobs))).sum().backward()
-    assert logprobs.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    assert logprobs.dtype == entropy.dtype == torch.float32
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
@@ -61,20 +62,51 @@ def test_no_logits_are_saved_for_backward_only_inputs():
     hidden, head, target_ids = _case(num_tokens=64, hidden_size=8, vocab=50)
     # the probe sees a plain full-logits computation save [N, V] tensors...
     assert (64, 50) in _saved_shapes(lambda: _plain(hidden, head, target_ids, 1.0))
-    # ...and the chunked one save no logits at all (not even a chunk's): at most its inputs, ~N x (H + 1)
+    # ...and the fused head save no logits at all (not even a chunk's): its inputs and two floats per row
     shapes = _saved_shapes(lambda: logprobs_and_entropy(hidden, head, target_ids, chunk_size=16))
-    assert shapes and all(50 not in shape for shape in shapes)
-    assert sum(math.prod(shape) for shape in shapes) <= 64 * (8 + 1) + head.weight.numel()
+    assert sorted(shapes) == sorted([(64, 8), (50, 8), (64,), (64,), (64,)])
 
 
-def test_backward_recomputes_one_chunk_of_logits_at_a_time():
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_forward_and_backward_hold_one_chunk_of_logits_at_a_time():
     hidden, head, target_ids = _case(num_tokens=64, vocab=50)
-    shapes = []
-    handle = head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
-    logprobs, _ = logprobs_and_entropy(hidden, head, target_ids, chunk_size=16)
-    logprobs.sum().backward()
-    handle.remove()
-    assert shapes == [(16, 50)] * 8  # 4 chunks in forward, 4 recomputed in backward, never [64, 50]
+    with _Shapes() as probe:
+        logprobs, _ = logprobs_and_entropy(hidden, head, target_ids, chunk_size=16)
+        logprobs.sum().backward()
+    widest = max(math.prod(shape) for shape in probe.shapes if 50 in shape and shape != (50, 8))
+    assert widest == 16 * 50  # a chunk's logits (or their gradient), never [64, 50]
+    assert (16, 50) in probe.shapes
+
+
+def test_entropy_gradient_equals_autograd_of_full_logits():
+    hidden, head, target_ids = _case()
+    _, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=0.7, chunk_size=8)
+    (entropy * torch.linspace(-1, 1, len(entropy))).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    _, ref_entropy = _plain(hidden, head, target_ids, 0.7)
+    (ref_entropy * torch.linspace(-1, 1, len(entropy))).sum().backward()
+    torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+
+
+def test_entropy_is_only_computed_when_asked():
+    hidden, head, target_ids = _case()
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, with_entropy=False)
+    ref_logprobs, _ = _plain(hidden, head, target_ids, 1.0)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+    assert not entropy.any()
 
 
 def test_no_grad_scoring_skips_checkpointing_and_matches():

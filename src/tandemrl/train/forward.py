@@ -1,0 +1,130 @@
+"""How the trainer's forward runs on its device: which weights, which attention, compiled or not, and
+how many tokens a micro-batch holds.
+
+Chosen once, when the trainer is built. On CUDA with float32 master weights and --bf16: 16-bit compute
+weights (train/precision.py), packed variable-length attention (train/attention.py), each decoder
+layer compiled. On CPU: the policy itself with transformers' own attention (the equivalence reference;
+the embedded default's golden curve runs here).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandemrl.algo.logprobs import set_compile
+from tandemrl.train.attention import layout, use_packed_attention
+from tandemrl.train.batching import PackedBatch
+from tandemrl.train.config import TrainerConfig
+from tandemrl.train.precision import ComputeWeights
+
+log = logging.getLogger(__name__)
+
+CPU_MICROBATCH_TOKENS = 8192
+MAX_AUTO_MICROBATCH_TOKENS = 16384  # a 0.5B step (512 x 384 tokens) peaks at 30 GiB with 2048-row logprob chunks
+
+
+@dataclass(kw_only=True)
+class ForwardPlan:
+    """The trainer's forward set-up. Written once by `forward_plan`; `compute` refreshes itself."""
+
+    compute: ComputeWeights | None  # 16-bit twin of the policy, or None (the policy runs itself)
+    dtype: torch.dtype | None  # dtype of frozen copies (reference model); None = the policy's
+    packed: bool  # packed attention: the forward takes the row layout as kwargs
+    compile: bool
+    no_grad_budget_factor: int  # no-grad passes (reference, old policy) take this many times the tokens
+
+    def forward_model(self, master: Any, version: int) -> Any:
+        """The model to run forward and backward on: the compute twin, fresh for `version`, or the policy."""
+        if self.compute is None:
+            return master
+        self.compute.refresh(version)
+        return self.compute.model
+
+    def frozen_copy(self, master: Any) -> Any:
+        """A no-grad copy of the policy as it is now (the reference model), set up like the forward model."""
+        frozen = copy.deepcopy(master)
+        if self.dtype is not None:
+            frozen = frozen.to(self.dtype)
+        frozen.eval().requires_grad_(False)
+        self._prepare(frozen)
+        return frozen
+
+    def attention_kwargs(self, m: PackedBatch) -> dict:
+        return layout(m.cu_seqlens, m.max_seqlen) if self.packed else {}
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.compute is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self.compute.zero_grad()
+
+    def after_backward(self) -> None:
+        if self.compute is not None:
+            self.compute.accumulate()
+
+    def invalidate(self) -> None:
+        if self.compute is not None:
+            self.compute.refresh_on_next_use()
+
+    def _prepare(self, model: Any) -> None:
+        if self.packed:
+            use_packed_attention(model)
+        if self.compile:
+            compile_layers(model)
+
+
+def forward_plan(config: TrainerConfig, model: Any) -> ForwardPlan:
+    device = next(model.parameters()).device
+    master_dtype = next(model.parameters()).dtype
+    on_cuda = device.type == "cuda"
+    mixed = on_cuda and config.bf16 and master_dtype == torch.float32
+    plan = ForwardPlan(
+        compute=None,
+        dtype=torch.bfloat16 if mixed else None,
+        packed=on_cuda,
+        compile=on_cuda and config.torch_compile,
+        no_grad_budget_factor=4 if on_cuda else 1,
+    )
+    set_compile(plan.compile)
+    if mixed:
+        plan.compute = ComputeWeights(model, torch.bfloat16)
+    forward = plan.compute.model if plan.compute is not None else model
+    if config.gradient_checkpointing:
+        forward.gradient_checkpointing_enable()
+    plan._prepare(forward)
+    return plan
+
+
+def compile_layers(model: Any) -> None:
+    """torch.compile each decoder layer (the classes transformers keeps whole when sharding a model)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        log.info("no decoder layers found to compile in %s; it runs eager", type(model).__name__)
+        return
+    # one graph serves every layer (parameters are graph inputs); room for a few shapes per layer
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
+def microbatch_budget(config: TrainerConfig, model: Any, device: torch.device) -> int:
+    """Tokens per training micro-batch: --max_tokens_per_microbatch, or (0) chosen from free memory.
+
+    The estimate: each decoder layer keeps ~10 hidden-sized and ~3 MLP-sized 16-bit activations per token
+    for backward. Half of the free memory goes to them, within [2048, MAX_AUTO_MICROBATCH_TOKENS].
+    """
+    if config.max_tokens_per_microbatch > 0:
+        return config.max_tokens_per_microbatch
+    if device.type != "cuda":
+        return CPU_MICROBATCH_TOKENS
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * (10 * cfg.hidden_size + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)) * 2
+    free, _total = torch.cuda.mem_get_info(device)
+    tokens = int(0.5 * free / per_token) // 1024 * 1024
+    return max(2048, min(MAX_AUTO_MICROBATCH_TOKENS, tokens))

@@ -1,0 +1,62 @@
+"""Mixed precision without per-micro-batch casts: 16-bit compute weights over float32 master weights.
+
+The optimizer owns float32 master weights (16-bit AdamW loses updates below bf16's resolution). Forward
+and backward run on a 16-bit copy of the model, refreshed from the masters once per optimizer step (one
+fused copy), so no weight is re-cast in every micro-batch as autocast does. The compute weights'
+gradients live in one flat 16-bit buffer and the masters' in one flat float32 buffer; after each
+micro-batch's backward one add moves the first into the second and one fill clears the first, so
+accumulation across micro-batches is in float32 at the cost of two kernels, not two per parameter.
+Invariant: between `refresh()` and the optimizer step, the compute weights equal the masters rounded to
+16 bits; after `accumulate()`, master.grad holds the float32 sum of every micro-batch's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class ComputeWeights:
+    """A 16-bit twin of `master` whose gradients are summed, in float32, into the master's `.grad`."""
+
+    def __init__(self, master: nn.Module, dtype: torch.dtype) -> None:
+        self.model = copy.deepcopy(master).to(dtype)
+        self._master = list(master.parameters())
+        self._compute = list(self.model.parameters())
+        assert len(self._master) == len(self._compute), "the twin shares the master's parameter layout"
+        numel = sum(p.numel() for p in self._master)
+        device = self._master[0].device
+        self._compute_grads = torch.zeros(numel, dtype=dtype, device=device)  # [P]
+        self._master_grads = torch.zeros(numel, dtype=self._master[0].dtype, device=device)  # [P]
+        self._fresh_for: object = None
+
+    @torch.no_grad()
+    def refresh(self, version: object) -> None:
+        """Copies the masters into the compute weights, once per `version` (the optimizer step count)."""
+        if self._fresh_for == version:
+            return
+        torch._foreach_copy_(self._compute, self._master)
+        self._fresh_for = version
+
+    def refresh_on_next_use(self) -> None:
+        """The masters changed outside an optimizer step (a checkpoint was loaded)."""
+        self._fresh_for = None
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Start of an optimizer step: every gradient is a zeroed view of its flat buffer."""
+        self._master_grads.zero_()
+        self._compute_grads.zero_()
+        for params, flat in ((self._master, self._master_grads), (self._compute, self._compute_grads)):
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """After a micro-batch's backward: its 16-bit gradients join the float32 sums, then are cleared."""
+        self._master_grads.add_(self._compute_grads)
+        self._compute_grads.zero_()

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exception_handlers import request_validation_exception_handler
@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandemrl.server import batch, openai
+from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.metrics import CONTENT_TYPE
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
@@ -38,8 +39,6 @@ from tandemrl.server.wire import (
     per_sample,
     to_sampling_params,
 )
-
-T = TypeVar("T")
 
 
 def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0) -> FastAPI:
@@ -156,24 +155,6 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
         except (RuntimeError, OSError) as error:
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
         return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)
-
-
-async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Awaits `work`; if the client hangs up first, cancels it (aborting its generations)."""
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    return None if work_task.cancelled() else work_task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _check_known(service: RolloutService, request_ids: list[str]) -> None:

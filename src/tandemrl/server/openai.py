@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
 from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
@@ -95,8 +96,6 @@ def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
 
 
 async def _respond(service: RolloutService, prompter: Prompter, request: Request, body: Any, prompts: list[list[int]], params: list[SamplingParams], *, chat: bool) -> Any:
-    from tandemrl.server.app import until_done_or_disconnect
-
     for prompt_ids, p in zip(prompts, params):
         prompter.check(prompt_ids, p)
     jobs = [(prompt_ids, one) for prompt_ids, p in zip(prompts, params) for one in per_sample(p, body.n)]

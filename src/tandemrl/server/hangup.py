@@ -1,0 +1,29 @@
+"""A request whose client hangs up is cancelled: its generations are aborted, never run for nobody."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+T = TypeVar("T")
+
+
+async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Awaits `work`; if the client hangs up first, cancels it (aborting its generations)."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    return None if work_task.cancelled() else work_task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
-from tandemrl.generation.engine.attention import build_gather_metadata, gather_attention, varlen_options
-from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, gather_attention, varlen_options
+from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
 from tandemrl.types import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,7 @@ def _random_tables(lens: list[int], block: int, num_blocks: int) -> list[list[in
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_gather_attention(dtype):
-    from tandemrl.generation.engine.triton_kernels import decode_attention
+    from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
     torch.manual_seed(0)
     block, num_blocks, heads, kv_heads, dim = 16, 64, 14, 2, 64
@@ -65,7 +65,7 @@ def test_decode_kernel_matches_gather_attention(dtype):
 
 @cuda
 def test_varlen_prefill_matches_gather_attention():
-    from tandemrl.generation.engine.attention import build_varlen_metadata, varlen_attention
+    from tandemrl.generation.engine.layers.attention import build_varlen_metadata, varlen_attention
 
     if varlen_options() is None:
         pytest.skip(f"torch {torch.__version__} has no varlen_attn: the engine prefills on the gather path")
@@ -113,7 +113,7 @@ def test_bfloat16_engine_gives_the_same_tokens_on_both_prefill_paths(tmp_path):
 
 @cuda
 def test_fused_sampler_matches_the_torch_sampler():
-    from tandemrl.generation.engine.triton_kernels import sample_unfiltered
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 
     torch.manual_seed(1)
     batch, vocab = 64, 151936
@@ -185,7 +185,9 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
     from tandemrl.generation.engine.models.llama import RMSNorm, apply_rope
-    from tandemrl.generation.engine.triton_kernels import rms_norm, rope_and_cache_, silu_mul
+    from tandemrl.generation.engine.layers.activation import silu_mul
+    from tandemrl.generation.engine.layers.norm import rms_norm
+    from tandemrl.generation.engine.layers.rope import rope_and_cache_
 
     torch.manual_seed(2)
     norm = RMSNorm(896, 1e-6).cuda().to(dtype)

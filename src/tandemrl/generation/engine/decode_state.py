@@ -17,8 +17,8 @@ import operator
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.attention import AttentionMetadata, decode_gather_metadata
-from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sampling_rows
+from tandemrl.generation.engine.layers.attention import AttentionMetadata, decode_gather_metadata
+from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sampling_rows
 from tandemrl.generation.engine.sequence import Sequence
 
 # rows of the packed int64 state; one packed tensor so a rebuild is one host-to-device copy

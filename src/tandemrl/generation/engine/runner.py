@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, varlen_options
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, varlen_options
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
-from tandemrl.generation.engine.sampler import SamplingTensors, row_keys, sample, sampling_rows
+from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -224,7 +224,7 @@ class ModelRunner:
 
     def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor]:
         if self.is_cuda and not sampling.needs_filter:
-            from tandemrl.generation.engine.triton_kernels import sample_unfiltered
+            from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 
             return sample_unfiltered(logits, sampling.temperatures, sampling.keys)
         return sample(logits, sampling)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandemrl.generation.engine.attention import build_gather_metadata, build_varlen_metadata, gather_attention
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, gather_attention
 
 # (query_lens, context_lens): whole prompts, a cached prefix (the queries are the last of the context), one query
 CASES = [([2, 1], [2, 3]), ([5, 1, 7, 3], [5, 9, 7, 12])]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandemrl.generation.engine.sampler import SamplingTensors, filter_logits, gumbel_noise, row_keys, sample
+from tandemrl.generation.engine.layers.sampler import SamplingTensors, filter_logits, gumbel_noise, row_keys, sample
 
 
 def tensors(batch: int, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, vocab=16, seeds=None) -> SamplingTensors:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandemrl.generation.engine.attention import AttentionMetadata, paged_attention
+from tandemrl.generation.engine.layers.attention import AttentionMetadata, paged_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual). Fused on CUDA."""
         if x.is_cuda:
-            from tandemrl.generation.engine.triton_kernels import rms_norm
+            from tandemrl.generation.engine.layers.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -122,7 +122,7 @@ class Attention(nn.Module):
             qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
             q, k, v = (t.view(len(x), -1, self.head_dim) for t in qkv.split(self.qkv_sizes, dim=-1))
         if x.is_cuda:  # one fused kernel: RoPE in place on the qkv buffer, then k and v into the cache
-            from tandemrl.generation.engine.triton_kernels import rope_and_cache_
+            from tandemrl.generation.engine.layers.rope import rope_and_cache_
 
             positions, table = rope
             rope_and_cache_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, table, meta.slot_mapping, self.k_cache, self.v_cache)
@@ -143,7 +143,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if x.is_cuda:
-            from tandemrl.generation.engine.triton_kernels import silu_mul
+            from tandemrl.generation.engine.layers.activation import silu_mul
 
             return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -51,7 +51,7 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.block_tables is not None:
-        from tandemrl.generation.engine.triton_kernels import decode_attention
+        from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
     if meta.packed_key_slots is not None:

@@ -6,7 +6,7 @@ Sampling is the Gumbel-max trick with counter-based noise: the noise of row b is
 request's seed, the position being sampled, the vocab index). So a request's samples depend on its
 seed alone, never on what else is in the batch, and a preempted request that recomputes its context
 draws the same tokens again. The same hash runs in torch (here, any device) and in the Triton
-kernel (triton_kernels.py), so the CPU and GPU paths draw the same noise.
+kernel (sampler_kernel.py), so the CPU and GPU paths draw the same noise.
 
 Order of the filters (as transformers applies them): temperature, top-k, top-p, min-p. The reported
 logprob is log_softmax of the filtered, tempered logits; greedy rows (temperature 0) report

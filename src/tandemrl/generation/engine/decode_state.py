@@ -17,7 +17,7 @@ import operator
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import AttentionMetadata, decode_gather_metadata
+from tandemrl.generation.engine.layers.attention import DecodeMetadata, GatherMetadata, decode_gather_metadata
 from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sampling_rows
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -120,7 +120,7 @@ class DecodeState:
         _stage(self._host_tables, torch.tensor(flat, dtype=torch.int32).view(rows, width), self.block_tables[:rows, :width])
 
     # --- read inside the step (and captured in the CUDA graph) ---------------------------------------
-    def metadata(self, rows: int, block_size: int, *, gather: bool) -> AttentionMetadata:
+    def metadata(self, rows: int, block_size: int, *, gather: bool) -> GatherMetadata | DecodeMetadata:
         """Attention metadata of rows [0, rows); each row's slot comes from its table and position."""
         positions, tables, lens = self.ints[POSITIONS, :rows], self.block_tables[:rows], self.ints[LENS, :rows]
         blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0].to(torch.int64)
@@ -128,7 +128,7 @@ class DecodeState:
         if gather:  # the pure-PyTorch path (CPU): gather each row's context
             return decode_gather_metadata(tables, lens, slots, block_size)
         # int32 lengths: the Triton decode kernel is tested (tests/gpu) with int32 lengths
-        return AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens.to(torch.int32), block_size=block_size)
+        return DecodeMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens.to(torch.int32), block_size=block_size)
 
     def sampling(self, rows: int, *, needs_filter: bool) -> SamplingTensors:
         """Rows [0, rows)'s sampling tensors; the noise key of a row is (seed, position sampled)."""

@@ -159,7 +159,6 @@ class ModelRunner:
             positions += range(seq.num_tokens - n, seq.num_tokens)
         build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
         meta = build([n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device)
-        meta.block_size = self.block_size
         # every index crosses to the device before the launch: a copy after it would wait for the forward
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
         last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(self.device)  # [B_computing]

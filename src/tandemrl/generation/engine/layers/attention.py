@@ -5,7 +5,7 @@ H query heads, K key/value heads, D head dim.
 
 Every layer writes the KV of all N tokens before any query reads, so a sequence may read blocks that
 another sequence of the same step is filling (prefix sharing inside one prefill batch).
-Three read paths: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and
+Three read paths, each with its own metadata type: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and
 float32 prefill on GPU), `varlen` (GPU prefill in 16-bit: each sequence's context packed without
 padding, then torch's variable-length flash attention, causal from the bottom right so a sequence whose
 prefix is cached attends to all of it) and the Triton paged decode kernel (GPU decode, one query per
@@ -24,22 +24,41 @@ from torch import Tensor
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """Where this step's tokens sit in the cache; built once per step by the runner, read by every layer."""
+class GatherMetadata:
+    """The pure-PyTorch path: each sequence's context gathered and padded, then masked SDPA."""
 
     slot_mapping: Tensor  # [N] int64 cache slot of each new token
-    query_index: Tensor | None = None  # [B, Q] row in N of each (sequence, query); padding points anywhere
-    key_slots: Tensor | None = None  # [B, C] cache slot of each context position; padding -> slot 0
-    mask: Tensor | None = None  # [B, 1, Q, C] True = may attend
-    output_index: Tensor | None = None  # [N] row in B*Q of each new token
-    block_tables: Tensor | None = None  # [B, M] int32 (decode kernel path)
-    context_lens: Tensor | None = None  # [B] int32 (decode kernel path)
-    block_size: int = 16
-    cu_seq_q: Tensor | None = None  # [B+1] int32 start of each sequence's queries in N (varlen path)
-    cu_seq_k: Tensor | None = None  # [B+1] int32 start of each sequence's context in packed_key_slots
-    packed_key_slots: Tensor | None = None  # [sum of context lengths] cache slot of each context position
-    max_q: int = 0
-    max_k: int = 0
+    query_index: Tensor  # [B, Q] row in N of each (sequence, query); padding points anywhere
+    key_slots: Tensor  # [B, C] cache slot of each context position; padding -> slot 0
+    mask: Tensor  # [B, 1, Q, C] True = may attend
+    output_index: Tensor  # [N] row in B*Q of each new token
+
+
+@dataclass(slots=True)
+class VarlenMetadata:
+    """GPU prefill in 16-bit: contexts packed without padding, torch's variable-length flash attention."""
+
+    slot_mapping: Tensor  # [N] int64 cache slot of each new token
+    cu_seq_q: Tensor  # [B+1] int32 start of each sequence's queries in N
+    cu_seq_k: Tensor  # [B+1] int32 start of each sequence's context in packed_key_slots
+    packed_key_slots: Tensor  # [sum of context lengths] cache slot of each context position
+    max_q: int
+    max_k: int
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    """GPU decode: one query per sequence, read through its block table by the Triton kernel."""
+
+    slot_mapping: Tensor  # [B] int64 cache slot of each new token
+    block_tables: Tensor  # [B, M] int32
+    context_lens: Tensor  # [B] int32
+    block_size: int
+
+
+# Where this step's tokens sit in the cache: built once per step by the runner, read by every layer;
+# its type is the read path.
+AttentionMetadata = GatherMetadata | VarlenMetadata | DecodeMetadata
 
 
 def paged_attention(
@@ -50,13 +69,15 @@ def paged_attention(
     if not cached:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.block_tables is not None:
-        from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+    match meta:
+        case DecodeMetadata():
+            from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
-    if meta.packed_key_slots is not None:
-        return varlen_attention(q, k_cache, v_cache, meta)
-    return gather_attention(q, k_cache, v_cache, meta)
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
+        case VarlenMetadata():
+            return varlen_attention(q, k_cache, v_cache, meta)
+        case GatherMetadata():
+            return gather_attention(q, k_cache, v_cache, meta)
 
 
 @functools.cache
@@ -76,7 +97,7 @@ def varlen_options() -> dict | None:
     return causal | ({"enable_gqa": True} if "enable_gqa" in params else {})
 
 
-def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMetadata) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     options = varlen_options()
@@ -87,7 +108,7 @@ def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
     return varlen_attn(q, keys, values, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **options)
 
 
-def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: GatherMetadata) -> Tensor:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     batch, width = meta.query_index.shape
     queries = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
@@ -107,7 +128,7 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 def build_gather_metadata(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
-) -> AttentionMetadata:
+) -> GatherMetadata:
     """Metadata of a step where sequence b computes its last query_lens[b] of context_lens[b] positions.
 
     Example: query_lens [2, 1], context_lens [2, 3], block_size 2, tables [[5], [7, 8]] ->
@@ -129,7 +150,7 @@ def build_gather_metadata(
     query_index = (starts[:, None] + torch.arange(width)[None, :]).masked_fill(~valid, 0)
     output_index = (torch.arange(len(query_lens))[:, None] * width + torch.arange(width)[None, :])[valid]
     slot_mapping = key_slots.gather(1, ((lens - qlens)[:, None] + torch.arange(width)[None, :]).clamp(max=ctx - 1))
-    return AttentionMetadata(
+    return GatherMetadata(
         slot_mapping=slot_mapping[valid].to(device),
         query_index=query_index.to(device),
         key_slots=key_slots.to(device),
@@ -140,7 +161,7 @@ def build_gather_metadata(
 
 def build_varlen_metadata(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
-) -> AttentionMetadata:
+) -> VarlenMetadata:
     """As build_gather_metadata, for the varlen path: no padding, no mask; the same slot_mapping.
 
     Example: query_lens [2, 1], context_lens [2, 3], block_size 2, tables [[5], [7, 8]] ->
@@ -153,18 +174,17 @@ def build_varlen_metadata(
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # [B, M]
     key_slots = tables[owner, positions // block_size] * block_size + positions % block_size
     computed = positions >= (lens - qlens)[owner]
-    return AttentionMetadata(
+    return VarlenMetadata(
         slot_mapping=key_slots[computed].to(device),
         cu_seq_q=torch.nn.functional.pad(torch.cumsum(qlens, 0), (1, 0)).to(torch.int32).to(device),
         cu_seq_k=torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(device),
         packed_key_slots=key_slots.to(device),
         max_q=max(query_lens),
         max_k=max(context_lens),
-        block_size=block_size,
     )
 
 
-def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapping: Tensor, block_size: int) -> AttentionMetadata:
+def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapping: Tensor, block_size: int) -> GatherMetadata:
     """Gather metadata of a decode step (one query per row, at its last position) from device tensors.
 
     Equals build_gather_metadata([1] * B, context_lens, block_tables, ...); used by the pure-PyTorch
@@ -175,7 +195,7 @@ def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapp
     key_slots = block_tables[:, positions // block_size].to(torch.int64) * block_size + positions % block_size  # [B, C]
     valid = positions[None, :] < context_lens[:, None]  # [B, C]
     rows = torch.arange(batch, device=block_tables.device)
-    return AttentionMetadata(
+    return GatherMetadata(
         slot_mapping=slot_mapping,
         query_index=rows[:, None],
         key_slots=key_slots.masked_fill(~valid, 0),

@@ -59,6 +59,14 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)  # frozen: the one rewrite, at construction
 
     @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def top_k_or(self, off: int) -> int:
+        """top_k, or `off` where top-k is off (-1): the vocab size for the engine, 0 for transformers."""
+        return off if self.top_k == -1 else self.top_k
+
+    @property
     def filters(self) -> bool:
         """True when top-k, top-p or min-p excludes tokens (plain temperature sampling does not)."""
         return self.top_p < 1.0 or self.min_p > 0.0 or self.top_k != -1

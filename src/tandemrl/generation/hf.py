@@ -79,13 +79,13 @@ class HFGenerator:
         eos_ids = list(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
-        sample = params.temperature > 0
+        sample = not params.greedy
         gen_config = GenerationConfig(
             max_new_tokens=params.max_tokens,
             do_sample=sample,
             temperature=params.temperature if sample else None,
             top_p=params.top_p if sample else None,
-            top_k=(0 if params.top_k == -1 else params.top_k) if sample else None,
+            top_k=params.top_k_or(0) if sample else None,
             min_p=(params.min_p or None) if sample else None,
             eos_token_id=eos_ids or None,
             pad_token_id=pad_id,

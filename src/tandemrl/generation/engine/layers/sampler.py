@@ -69,7 +69,7 @@ def sampling_rows(params: list[SamplingParams], vocab_size: int, *, pad: int = 0
 
     Example: sampling_rows([SamplingParams(top_k=5)], 16, pad=1) -> ([5, 16], [[1, 1], [1, 1], [0, 0]], True)
     """
-    top_k = [vocab_size if p.top_k == -1 else p.top_k for p in params] + [vocab_size] * pad
+    top_k = [p.top_k_or(vocab_size) for p in params] + [vocab_size] * pad
     floats = [[p.temperature for p in params] + [1.0] * pad, [p.top_p for p in params] + [1.0] * pad, [p.min_p for p in params] + [0.0] * pad]
     return top_k, floats, any(p.filters for p in params)
 

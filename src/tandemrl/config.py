@@ -104,6 +104,9 @@ class LogConfig:
 
     report_to: tuple[Literal["wandb", "trackio"], ...] = ()
     """Extra metric sinks beyond JSONL and TensorBoard: wandb, trackio."""
+    logging_steps: int = 10
+    """Print a full step line (reward, length, entropy, kl, grad_norm, lr, tokens/s, memory, time split) every
+    this many steps, and on the first and last (0 = only the progress bar or heartbeat)."""
     log_completions_steps: int = 25
     """Print and log a few sample completions every this many steps (0 = never)."""
     run_name: str = ""

@@ -60,11 +60,17 @@ def run(config: TrainConfig) -> Path:
     start_step = state["step"] if state is not None else 0
     generator, sync = _rollout_side(config, model, tokenizer)
     _save_config(config, run_dir)
+    device = next(model.parameters()).device
+    print("\n".join(_banner(config, model, device, run_dir)), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=_sampling(config),
         logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
-        progress=Progress(config.run.max_steps, start_step=start_step), run_dir=run_dir,
+        progress=Progress(
+            config.run.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
+            num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
+        ),
+        run_dir=run_dir,
     )
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
@@ -95,6 +101,26 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
         await parts.generator.close()
         if judge_generator is not None:
             await judge_generator.close()
+
+
+def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path) -> list[str]:
+    from tandemrl.logging.console import banner
+
+    where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    autocast = ", bfloat16 autocast" if device.type == "cuda" and config.trainer.bf16 else ""
+    return banner(
+        model=config.run.model, num_parameters=sum(p.numel() for p in model.parameters()), task=config.run.task,
+        device=where, dtype=f"{config.trainer.dtype} weights{autocast}", num_prompts=config.data.num_prompts_per_step,
+        num_generations=config.data.num_generations, loss_type=config.algo.loss_type,
+        learning_rate=config.trainer.learning_rate, max_steps=config.run.max_steps, run_dir=str(run_dir),
+    )  # fmt: skip
+
+
+def _peak_memory_gb(device: torch.device) -> Any:
+    """A reader of the peak GPU memory allocated so far (None on a CPU: nothing worth showing)."""
+    if device.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.max_memory_allocated(device) / 2**30
 
 
 def _run_dir(config: TrainConfig) -> Path:

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,13 @@ def main(argv: list[str]) -> int:
     hf_logging.disable_progress_bar()  # per-checkpoint "Writing model shards" bars drown the heartbeat
     from tandemrl.cli.build import run
 
+    started = time.monotonic()
     run_dir = run(config)
-    print(f"run finished: {run_dir}  (plot it: tandem plot {run_dir})")
+    from tandemrl.logging.console import summary
+    from tandemrl.logging.metrics import read_metrics
+    from tandemrl.train.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    lines = summary(read_metrics(run_dir), wall_s=time.monotonic() - started, run_dir=str(run_dir), checkpoint=str(checkpoint) if checkpoint else None)
+    print("\n".join(lines))
     return 0

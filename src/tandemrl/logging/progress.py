@@ -15,22 +15,13 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from tandemrl.logging.console import format_duration, printable, step_line
 from tandemrl.logging.sinks import completion_columns, flat_row
 
 # In the order shown; a metric not logged is left out of the line. "eta" is computed here.
 HEARTBEAT_METRICS = ("reward", "kl", "step_time", "eta", "pipeline/queue_depth")
 LABELS = {"pipeline/queue_depth": "queue"}
 MAX_CELL_CHARS = 400
-
-
-def format_duration(seconds: float) -> str:
-    """Example: 7 -> "7s", 245 -> "4m05s", 3725 -> "1h02m"."""
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _format_value(name: str, value: Any) -> str:
@@ -62,12 +53,18 @@ class Progress:
         stream: TextIO | None = None,
         heartbeat_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        logging_steps: int = 0,
+        num_rollouts: int = 0,
+        memory_gb: Callable[[], float | None] = lambda: None,
     ) -> None:
+        """`logging_steps` > 0 prints a full step line (console.step_line) every that many steps, on the
+        first and on the last, kept in the scrollback; `num_rollouts` per step gives its tokens/s."""
         stream = sys.stdout if stream is None else stream
         self.total_steps = total_steps
         self.start_step = start_step
         self.heartbeat_s = heartbeat_s
         self.clock = clock
+        self.logging_steps, self.num_rollouts, self.memory_gb = logging_steps, num_rollouts, memory_gb
         self.interactive = _is_tty(stream)
         self.console = Console(file=stream, force_terminal=self.interactive, soft_wrap=not self.interactive)
         self._start_time = clock()
@@ -105,6 +102,12 @@ class Progress:
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Call after step `step` (1-based: the count of steps done) with that step's metrics."""
         stats = self.stats(step, metrics)
+        if self._is_logging_step(step):
+            line = step_line(step, self.total_steps, metrics, num_rollouts=self.num_rollouts, memory_gb=self.memory_gb())
+            self.console.print(line, markup=False, highlight=False)  # above the bar on a terminal
+            if self._bar is None:  # the line says more than the heartbeat would
+                self._pending, self._last_beat = None, self.clock()
+                return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=stats)
             return
@@ -113,6 +116,10 @@ class Progress:
         if self._last_beat is None or now - self._last_beat >= self.heartbeat_s or step >= self.total_steps:
             self._write_pending()
             self._last_beat = now
+
+    def _is_logging_step(self, step: int) -> bool:
+        every = self.logging_steps
+        return every > 0 and (step % every == 0 or step == self.start_step + 1 or step >= self.total_steps)
 
     def _write_pending(self) -> None:
         if self._pending is not None:
@@ -124,7 +131,7 @@ class Progress:
         rows = [flat_row(row) for row in rows[:max_rows]]
         if not rows:
             return
-        columns = completion_columns(rows)
+        columns = [c for c in completion_columns(rows) if c not in _repeated_total(rows)]
         if self.interactive:
             table = Table(title=f"step {step}: sample completions", show_lines=True)
             for column in columns:
@@ -135,7 +142,7 @@ class Progress:
             return
         for i, row in enumerate(rows):
             scores = " ".join(f"{c} {_cell(c, row[c], 20)}" for c in columns if c not in ("prompt", "completion") and c in row)
-            texts = " | ".join(f"{c}: {_cell(c, row[c], MAX_CELL_CHARS)!r}" for c in ("prompt", "completion") if c in row)
+            texts = " | ".join(f"{c}: '{printable(_cell(c, row[c], MAX_CELL_CHARS))}'" for c in ("prompt", "completion") if c in row)
             line = f"step {step} sample {i + 1}/{len(rows)} {scores} | {texts}"
             self.console.print(line, markup=False, highlight=False)
 
@@ -149,6 +156,14 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _repeated_total(rows: list[dict[str, Any]]) -> set[str]:
+    """The one reward function's column when it equals `reward` in every row (it would repeat the total)."""
+    scores = {c for row in rows for c in row if c not in ("prompt", "completion", "reward")}
+    if len(scores) == 1 and all(row.get(c) == row.get("reward") for row in rows for c in scores):
+        return scores
+    return set()
 
 
 def _cell(name: str, value: Any, max_chars: int) -> str:

@@ -20,6 +20,7 @@ import torch
 from tandemrl.algo.advantage import group_relative_advantages, zero_variance_groups
 from tandemrl.data.sampler import PromptCursor
 from tandemrl.generation.base import Generator
+from tandemrl.logging.console import readable_text
 from tandemrl.logging.metrics import MetricsLogger
 from tandemrl.logging.progress import Progress
 from tandemrl.rewards.base import RewardFunc, score
@@ -176,12 +177,12 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     every = settings.log_completions_steps
     if not every or (step % every and step != settings.max_steps):
         return
-    rows = [
-        {"prompt": str(r.example.prompt), "completion": r.completion_text, "reward": r.reward, **r.rewards}
-        for g in groups[:2] for r in g.rollouts[:2]
-    ]
+    rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
+    rows = [{"prompt": str(r.example.prompt), "completion": r.completion_text, "reward": r.reward, **r.rewards} for r in rollouts]
     parts.logger.log_completions(step, rows)
-    parts.progress.print_completions(step, rows)
+    sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
+    shown = [{**row, "completion": readable_text(parts.tokenizer, ids, row["completion"])} for row, ids in zip(rows, sampled)]
+    parts.progress.print_completions(step, shown)
 
 
 def _should_save(settings: LoopSettings, step: int) -> bool:

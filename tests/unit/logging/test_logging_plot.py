@@ -90,3 +90,40 @@ def test_python_m_tandemrl_plot(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(run.resolve() / "dashboard.png")
     assert_png(run / "dashboard.png")
+
+
+def test_panels_are_chosen_from_what_moved(tmp_path):
+    from tandemrl.logging.plot import chosen_panels
+    from tandemrl.logging.metrics import read_metrics
+
+    run = write_run(tmp_path / "run", keys=("reward", "rewards/format/mean", "completions/mean_length", "clip_ratio",
+                                            "grad_norm", "learning_rate", "frac_reward_zero_std", "step_time"))  # fmt: skip
+    rows = read_metrics(run)
+    for row in rows:
+        row["clip_ratio"] = 0.0  # flat, as in the default run
+        row["frac_reward_zero_std"] = row["step"] / 60  # moves
+    names = [name for name, _ in chosen_panels(rows)]
+    assert names == ["reward", "completion length", "zero-std fraction", "step time"]  # no KL, flat clip ratio, lr, grad_norm
+    rows[3]["grad_norm"] = 2.0
+    assert "grad_norm" in [name for name, _ in chosen_panels(rows)]
+
+
+def test_title_names_model_task_and_loss_and_the_total_reward_is_labelled(tmp_path):
+    run = write_run(tmp_path / "run", keys=("reward", "reward_std", "step_time"))
+    (run / "config.yaml").write_text("task: synthetic\nmodel: tandem:tiny\nloss_type: dapo\n")
+    import tandemrl.logging.plot as plot
+
+    seen = {}
+    original = plot.Figure.suptitle
+
+    def spy(self, text, **kw):
+        seen["title"] = text
+        return original(self, text, **kw)
+
+    plot.Figure.suptitle = spy
+    try:
+        plot_run(run)
+    finally:
+        plot.Figure.suptitle = original
+    assert seen["title"].startswith("tandem:tiny on synthetic, loss dapo (run): steps 1-60")
+    assert "faint: raw value per step; solid: centred moving average over 6 steps" in seen["title"]

@@ -1,0 +1,123 @@
+"""The lines of `tandem train` a person reads: the start banner, a line every `--logging_steps` steps
+kept in the scrollback, and the end summary; and completion text made safe to print.
+
+Each line is built from values already logged (a metric not logged is left out), so the console
+never shows a number that metrics.jsonl does not hold, apart from tokens/s, derived from logged ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+# (metric, label, format) in the order shown on the step line.
+STEP_LINE = (
+    ("reward", "reward", "{:.3f}"),
+    ("reward_std", "±", "{:.3f}"),
+    ("completions/mean_length", "len", "{:.1f}"),
+    ("entropy", "entropy", "{:.3g}"),
+    ("kl", "kl", "{:.3g}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("learning_rate", "lr", "{:.2e}"),
+)
+TIME_SPLIT = (("time/generate", "gen"), ("time/reward", "reward"), ("time/train", "train"), ("time/sync", "sync"))
+
+
+def format_duration(seconds: float) -> str:
+    """Example: 7 -> "7s", 245 -> "4m05s", 3725 -> "1h02m"."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def step_line(step: int, total_steps: int, metrics: dict[str, float], *, num_rollouts: int, memory_gb: float | None) -> str:
+    """Example: step_line(10, 150, {"reward": 0.5, "completions/mean_length": 8.0, "time/generate": 0.2,
+    "step_time": 0.5}, num_rollouts=128, memory_gb=None)
+    -> "step 10/150 | reward 0.500 | len 8.0 | 5.1k tok/s | 0.50s/step (gen 0.20)"
+    """
+    parts = [f"step {step}/{total_steps}"]
+    for name, label, fmt in STEP_LINE:
+        value = metrics.get(name)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if label == "±":
+            parts[-1] += f" ± {fmt.format(value)}" if parts[-1].startswith("reward") else ""
+            continue
+        parts.append(f"{label} {fmt.format(value)}")
+    generate_s = metrics.get("time/generate")
+    if generate_s and "completions/mean_length" in metrics:
+        parts.append(f"{_si(metrics['completions/mean_length'] * num_rollouts / generate_s)} tok/s")
+    if memory_gb is not None:
+        parts.append(f"mem {memory_gb:.1f}G")
+    if "step_time" in metrics:
+        split = " ".join(f"{label} {metrics[name]:.2f}" for name, label in TIME_SPLIT if name in metrics)
+        parts.append(f"{metrics['step_time']:.2f}s/step" + (f" ({split})" if split else ""))
+    return " | ".join(parts)
+
+
+def _si(value: float) -> str:
+    """Example: 5120 -> "5.1k"; 830 -> "830"; 2.5e6 -> "2.5M"."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def banner(*, model: str, num_parameters: int, task: str, device: str, dtype: str, num_prompts: int, num_generations: int,
+           loss_type: str, learning_rate: float, max_steps: int, run_dir: str) -> list[str]:  # fmt: skip
+    """The lines printed before step 1: what trains, on what, how, and where it is written."""
+    return [
+        f"tandem train: {model} ({_si(num_parameters)} parameters) on task {task or '(none: --dataset)'}, {device}, {dtype}",
+        f"  {num_prompts} prompts x {num_generations} generations per step, loss {loss_type}, learning rate {learning_rate:g}, {max_steps} steps",
+        f"  run directory {run_dir}  (TensorBoard now: tensorboard --logdir {run_dir})",
+    ]
+
+
+def summary(rows: list[dict[str, float]], *, wall_s: float, run_dir: str, checkpoint: str | None) -> list[str]:
+    """The lines printed after the last step: steps, wall time, best and last reward, where things are."""
+    rewards = [(r["step"], r["reward"]) for r in rows if "reward" in r and not math.isnan(r["reward"])]
+    lines = [f"done: {len(rows)} steps in {format_duration(wall_s)}"]
+    if rewards:
+        best_step, best = max(rewards, key=lambda sr: sr[1])
+        lines[0] += f"; reward last {rewards[-1][1]:.3f}, best {best:.3f} (step {int(best_step)})"
+    lines.append(f"  checkpoint {checkpoint}" if checkpoint else "  no checkpoint written")
+    lines.append(f"  run directory {run_dir}  (plot it: tandem plot {run_dir})")
+    return lines
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode map, which every byte-level BPE (GPT-2, Qwen, Llama 3) uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: b for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+def readable_text(tokenizer: Any, token_ids: list[int], text: str) -> str:
+    """`text` (the decoding of `token_ids`) fit to print: bytes that are not UTF-8 shown as \\xNN
+    (byte-level tokenizers; others keep U+FFFD) and control characters but newlines and tabs escaped.
+
+    Example: ids whose bytes are b"ab\\xe2\\r" -> "ab\\\\xe2\\\\r" (shown as ab\\xe2\\r)
+    """
+    if "\ufffd" in text and tokenizer.decode(token_ids, skip_special_tokens=True) == text:
+        byte_of = _byte_of_char()
+        tokens = tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=True)
+        if all(c in byte_of for t in tokens for c in t):
+            text = bytes(byte_of[c] for t in tokens for c in t).decode("utf-8", errors="backslashreplace")
+    return printable(text, keep_newlines=True)
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """Control characters escaped, so one text cannot redraw or break a terminal line.
+
+    Example: printable("a\rb\n") -> "a\\rb\\n"; with keep_newlines -> "a\\rb\n"
+    """
+    kept = " \n\t" if keep_newlines else " "
+    return "".join(c if c.isprintable() or c in kept else c.encode("unicode_escape").decode() for c in text)

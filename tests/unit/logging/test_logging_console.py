@@ -1,0 +1,29 @@
+"""The console's pieces: the step line from logged metrics, undecodable bytes shown readably."""
+
+from __future__ import annotations
+
+from tandemrl.logging.console import printable, readable_text, step_line, summary
+from tandemrl.tasks.tiny import build_tokenizer
+
+
+def test_step_line_shows_what_was_logged_and_derives_tokens_per_s():
+    metrics = {"reward": 0.5, "reward_std": 0.1, "completions/mean_length": 8.0, "learning_rate": 1e-3,
+               "time/generate": 0.2, "time/train": 0.25, "step_time": 0.5}  # fmt: skip
+    line = step_line(10, 150, metrics, num_rollouts=128, memory_gb=3.25)
+    assert line == "step 10/150 | reward 0.500 ± 0.100 | len 8.0 | lr 1.00e-03 | 5.1k tok/s | mem 3.2G | 0.50s/step (gen 0.20 train 0.25)"
+
+
+def test_undecodable_bytes_show_as_hex_and_control_characters_are_escaped():
+    tokenizer = build_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["a", "â", "Ċ", "b"])  # byte-level: "â" is the lone byte 0xE2, "Ċ" is "\n"
+    text = tokenizer.decode(ids)
+    assert "\ufffd" in text
+    assert readable_text(tokenizer, ids, text) == "a\\xe2\nb"
+    assert printable("a\rb\nc") == "a\\rb\\nc" and printable("a\tb", keep_newlines=True) == "a\tb"
+
+
+def test_summary_names_best_and_last_reward_and_the_checkpoint():
+    rows = [{"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.9}, {"step": 3, "reward": 0.7}]
+    lines = summary(rows, wall_s=75, run_dir="runs/x", checkpoint="runs/x/checkpoint-3")
+    assert lines == ["done: 3 steps in 1m15s; reward last 0.700, best 0.900 (step 2)", "  checkpoint runs/x/checkpoint-3",
+                     "  run directory runs/x  (plot it: tandem plot runs/x)"]  # fmt: skip

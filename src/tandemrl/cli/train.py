@@ -94,6 +94,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from tandemrl.cli.inputs import check_inputs
+
+    check_inputs(config)  # before transformers is imported: it reads HF_HUB_OFFLINE once
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-checkpoint "Writing model shards" bars drown the heartbeat

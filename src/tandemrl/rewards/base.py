@@ -11,6 +11,8 @@ import asyncio
 import inspect
 import math
 import numbers
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +86,28 @@ async def _call(
             result = await asyncio.to_thread(func.fn, prompts, completions, **columns)
             if inspect.isawaitable(result):
                 result = await result
-    except Exception as error:  # re-raised as one line naming the function; nothing is swallowed
+    except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
         message = " ".join(str(error).split())
-        raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}: {message}") from error
+        where = user_frame(error, func.fn)
+        raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}{where}: {message}") from error
     return _check_values(func.name, result, len(completions))
+
+
+def user_frame(error: BaseException, fn: Any) -> str:
+    """" at file:line" of the deepest frame of `error` in the file that defines `fn` (the user's code,
+    not tandem's or a library's), or "" when none is.
+
+    Example: a KeyError raised on line 7 of ./my_rewards.py -> " at my_rewards.py:7"
+    """
+    try:
+        home = inspect.getsourcefile(inspect.unwrap(fn))
+    except TypeError:  # a builtin or a callable object without source
+        return ""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == home]
+    if not frames:
+        return ""
+    path = os.path.relpath(frames[-1].filename) if frames[-1].filename.startswith(os.getcwd() + os.sep) else frames[-1].filename
+    return f" at {path}:{frames[-1].lineno}"
 
 
 def _check_values(name: str, result: Any, expected: int) -> list[float | None]:

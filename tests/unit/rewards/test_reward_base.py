@@ -95,7 +95,7 @@ def test_a_raising_function_becomes_one_line_naming_it() -> None:
     def broken(prompts, completions, **kw):
         raise RuntimeError("no column\n'answer'")
 
-    with pytest.raises(ValueError, match=r"^reward function 'broken' raised RuntimeError: no column 'answer'$"):
+    with pytest.raises(ValueError, match=r"^reward function 'broken' raised RuntimeError at \S*test_reward_base.py:\d+: no column 'answer'$"):
         _run([RewardFunc(name="broken", fn=broken)], None, ["x"])
 
 

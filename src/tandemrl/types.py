@@ -27,6 +27,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's g
     "min_p": {"ge": 0, "le": 1},
     "seed": {"ge": 0, "le": MAX_SEED},
 }
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the OpenAI routes name it `logprobs` (completions) and `top_logprobs` (chat)
 SAMPLING_MAX_ITEMS: dict[str, int] = {"stop_token_ids": 64, "stop": 16}
 
 
@@ -44,10 +45,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs: int = 0  # the most likely tokens (and logprobs) to report at each sampled position
 
     def __post_init__(self) -> None:
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         for name, bound in SAMPLING_BOUNDS.items():
             value = getattr(self, name)
             if value is not None and not _within(value, bound):
@@ -93,9 +97,11 @@ class Completion:
     logprobs: list[float]  # [T] under the distribution actually sampled from
     finish_reason: FinishReason
     policy_versions: list[int]  # [T] version of the weights that produced each token
+    top_logprobs: list[dict[int, float]] | None = None  # [T] {token id: logprob}, when SamplingParams.top_logprobs > 0
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs) == len(self.policy_versions)
+        assert self.top_logprobs is None or len(self.top_logprobs) == len(self.token_ids)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,6 +8,7 @@ pushed over a gloo group. Weights reach every backend as the trainer sends them:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 
@@ -96,6 +97,20 @@ def test_greedy_tokens_and_logprobs_match_a_transformers_forward(generator, refe
             ids.append(token_id)
     assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
     assert completion.policy_versions == [0] * 8
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens(generator, reference):
+    prompt = [5, 17, 42, 8, 99]
+    completion = run(generator.generate(prompt, dataclasses.replace(GREEDY, top_logprobs=3)))
+    assert completion.top_logprobs is not None and len(completion.top_logprobs) == len(completion.token_ids)
+    ids = list(prompt)
+    with torch.no_grad():
+        for token_id, top in zip(completion.token_ids, completion.top_logprobs):
+            expected = reference(torch.tensor([ids])).logits[0, -1].log_softmax(-1).topk(3)
+            assert list(top) == expected.indices.tolist() and next(iter(top)) == token_id
+            assert max(abs(a - b) for a, b in zip(top.values(), expected.values.tolist())) < 1e-4
+            ids.append(token_id)
+    assert run(generator.generate(prompt, GREEDY)).top_logprobs is None
 
 
 def test_stop_token_ends_the_completion_with_it(generator):

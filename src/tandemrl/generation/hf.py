@@ -92,6 +92,7 @@ class HFGenerator:
             stop_strings=list(params.stop) or None,
             return_dict_in_generate=True,
             output_scores=True,
+            output_logits=params.top_logprobs > 0,
         )
         seeded = params.seed is not None
         devices = [] if self.device.type == "cpu" else [self.device]
@@ -107,16 +108,20 @@ class HFGenerator:
             version = self.version
         new_ids = out.sequences[:, width:]  # [B, T]
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new_ids[..., None])[..., 0]  # [B, T]
-        return [self._completion(row.tolist(), lp.tolist(), params, eos_ids, version) for row, lp in zip(new_ids, logprobs)]
+        tops = _top_logprobs(out.logits, params.top_logprobs) if params.top_logprobs else [None] * len(new_ids)
+        return [self._completion(row.tolist(), lp.tolist(), params, eos_ids, version, top) for row, lp, top in zip(new_ids, logprobs, tops)]
 
-    def _completion(self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int) -> Completion:
+    def _completion(
+        self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int, top: list[dict[int, float]] | None
+    ) -> Completion:
         length, reason = len(ids), "length"
         for i, token_id in enumerate(ids):
             if token_id in eos_ids or (params.stop and _contains_stop(self.tokenizer.decode(ids[: i + 1]), params.stop)):
                 length, reason = i + 1, "stop"
                 break
         return Completion(
-            token_ids=ids[:length], logprobs=logprobs[:length], finish_reason=reason, policy_versions=[version] * length
+            token_ids=ids[:length], logprobs=logprobs[:length], finish_reason=reason, policy_versions=[version] * length,
+            top_logprobs=None if top is None else top[:length],
         )
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
@@ -147,3 +152,13 @@ class HFGenerator:
 
 def _contains_stop(text: str, stop: tuple[str, ...]) -> bool:
     return any(s in text for s in stop)
+
+
+def _top_logprobs(logits: tuple[torch.Tensor, ...], k: int) -> list[list[dict[int, float]]]:
+    """Per row and step, the `k` most likely tokens of the model's raw distribution, best first.
+
+    Example: one row, one step of logits [0, ln 3] and k=1 -> [[{1: log(0.75)}]]
+    """
+    top = torch.stack(logits, dim=1).float().log_softmax(-1).topk(k, dim=-1)  # [B, T, k]
+    return [[dict(zip(i, v)) for i, v in zip(ids, values)] for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+

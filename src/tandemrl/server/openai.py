@@ -25,7 +25,7 @@ from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
 from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
-from tandemrl.types import Completion, SamplingParams
+from tandemrl.types import MAX_TOP_LOGPROBS, Completion, SamplingParams
 
 
 class _Common(BaseModel):
@@ -47,7 +47,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
 
@@ -55,7 +55,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> None:
@@ -92,7 +92,8 @@ def _prompt_list(prompt: Any, prompter: Prompter) -> list[list[int]]:
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
     """Unset OpenAI fields take SamplingParams' defaults; `stop` may be one string."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    return to_sampling_params(body, max_tokens=max_tokens, stop=stop)
+    top = (body.top_logprobs if body.logprobs else 0) if isinstance(body, ChatRequest) else body.logprobs  # type: ignore[attr-defined]
+    return to_sampling_params(body, max_tokens=max_tokens, stop=stop, top_logprobs=top or 0)
 
 
 async def _respond(service: RolloutService, prompter: Prompter, request: Request, body: Any, prompts: list[list[int]], params: list[SamplingParams], *, chat: bool) -> Any:
@@ -130,11 +131,19 @@ def _choice(index: int, c: Completion, params: SamplingParams, prompter: Prompte
     pieces = [prompter.decode([i]) for i in c.token_ids] if body.logprobs else []
     extra = {"finish_reason": c.finish_reason, "token_ids": c.token_ids, "policy_versions": c.policy_versions}
     if chat:
-        logprobs = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []} for s, lp in zip(pieces, c.logprobs)]}
+        tops = [[_token(prompter, i, v) for i, v in top.items()] for top in c.top_logprobs] if c.top_logprobs else [[] for _ in pieces]
+        logprobs = {"content": [{**_token(prompter, i, lp), "top_logprobs": t} for i, lp, t in zip(c.token_ids, c.logprobs, tops)]}
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs if body.logprobs else None, **extra}
     offsets = [sum(len(s) for s in pieces[:k]) for k in range(len(pieces))]
-    logprobs = {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": offsets}
+    tops = [{prompter.decode([i]): v for i, v in top.items()} for top in c.top_logprobs] if c.top_logprobs else None
+    logprobs = {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": tops, "text_offset": offsets}
     return {"index": index, "text": text, "logprobs": logprobs if body.logprobs is not None else None, **extra}
+
+
+def _token(prompter: Prompter, token_id: int, logprob: float) -> dict[str, Any]:
+    """OpenAI's chat logprob entry of one token. Example: -> {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}"""
+    text = prompter.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _put(events: asyncio.Queue, index: int, item: Any) -> None:

@@ -174,7 +174,10 @@ class RolloutService:
         if task.exception() is not None:
             return Result(request_id=request_id, finish_reason="error", error=str(task.exception()) or repr(task.exception()))
         c: Completion = task.result()
-        return Result(request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions, finish_reason=c.finish_reason)
+        return Result(
+            request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions,
+            top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,
+        )  # fmt: skip
 
     def _forget_expired(self) -> None:
         horizon = time.monotonic() - self.result_ttl_s

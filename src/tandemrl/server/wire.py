@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandemrl.generation.remote.batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
-from tandemrl.types import MAX_SEED, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
+from tandemrl.types import MAX_SEED, MAX_TOP_LOGPROBS, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
 
 _DEFAULTS = SamplingParams()
 MAX_N = 256  # samples of one prompt in one request (native and OpenAI routes)
@@ -43,6 +43,7 @@ class Sampling(BaseModel):
     stop: list[str] = sampling_field("stop")
     ignore_eos: bool = sampling_field("ignore_eos")
     seed: int | None = sampling_field("seed")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="Most likely tokens to report at each sampled position.")
 
 
 def to_sampling_params(s: Any, **overrides: Any) -> SamplingParams:
@@ -120,6 +121,7 @@ class Result(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     policy_versions: list[int] = Field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
     finish_reason: Literal["stop", "length", "abort", "error"] = "abort"
     text: str = ""
     error: str | None = None

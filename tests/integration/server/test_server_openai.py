@@ -77,3 +77,17 @@ def test_streaming_with_logprobs_sends_the_text_with_its_logprobs(oai, tiny_mode
     with_text = [c.choices[0] for c in oai.completions.create(**args, stream=True, logprobs=0) if c.choices[0].text]
     assert len(with_text) == 1 and len(with_text[0].logprobs.token_logprobs) == 5
     assert with_text[0].text == oai.completions.create(**args).choices[0].text
+
+
+def test_logprobs_return_real_top_alternatives(oai, tiny_model_dir):
+    args = dict(model=tiny_model_dir, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = oai.completions.create(prompt="the answer", logprobs=3, **args).choices[0].logprobs
+    assert len(plain.top_logprobs) == 4 and all(len(top) == 3 for top in plain.top_logprobs)
+    for token, logprob, top in zip(plain.tokens, plain.token_logprobs, plain.top_logprobs):
+        best = max(top.values())
+        assert list(top.values()) == sorted(top.values(), reverse=True) and best <= 0
+        assert top.get(token) == pytest.approx(best, abs=1e-4) and logprob == pytest.approx(best, abs=1e-4)  # greedy: the best one
+    chat = oai.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, **args)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.top_logprobs[0].token == c.token for c in content)

@@ -50,6 +50,7 @@ class Launched:
     slot: int
     is_prefill: bool
     prepare_s: float
+    top: tuple[Tensor, Tensor] | None = None  # ([B, K] ids, [B, K] logprobs) when a sequence asked for top logprobs
 
 
 class ModelRunner:
@@ -121,9 +122,12 @@ class ModelRunner:
         if batch.is_prefill:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
             sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
-            token_ids, logprobs = self._sample(self._prefill(batch), sampling)
+            logits = self._prefill(batch)
+            token_ids, logprobs = self._sample(logits, sampling)
         else:
-            token_ids, logprobs = self._decode(batch.seqs)
+            token_ids, logprobs, logits = self._decode(batch.seqs)
+        num_top = max(s.params.top_logprobs for s in batch.seqs)
+        top = logits[: len(batch.seqs)].float().log_softmax(-1).topk(num_top, dim=-1) if num_top else None
         if self.is_cuda:  # both results in one pinned copy each, waited for once
             self._events[slot][1].record()
             host_ids, host_logprobs = self._host_ids[slot, : len(token_ids)], self._host_logprobs[slot, : len(token_ids)]
@@ -133,7 +137,7 @@ class ModelRunner:
             token_ids, logprobs = host_ids, host_logprobs
         prepare = time.perf_counter() - start
         self.times.prepare_s += prepare
-        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare)
+        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare, None if top is None else (top.indices, top.values))
 
     def wait(self, launched: Launched) -> tuple[list[int], list[float]]:
         """The step's only wait on the device; its sampled ids and logprobs as lists."""
@@ -170,12 +174,20 @@ class ModelRunner:
             self.copy_blocks(copies)
         return logits if rows is None else logits[rows]
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor]:
+    def top_logprobs(self, launched: Launched) -> list[dict[int, float]] | None:
+        """Per row, the most likely tokens of the model's own distribution (before temperature and
+        filters, as vLLM reports them) and their logprobs, best first; None when no row asked."""
+        if launched.top is None:
+            return None
+        ids, values = (t.tolist() for t in launched.top)
+        return [dict(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor, Tensor]:
         batch, state = len(seqs), self.state
         graph_size = next((g for g in self.graph_sizes if g >= batch), None) if self.use_graphs else None
         state.load(seqs, graph_size or batch)
         if graph_size is None:
-            token_ids, logprobs, _, _ = self._decode_step(batch, needs_filter=state.needs_filter)
+            token_ids, logprobs, logits, _ = self._decode_step(batch, needs_filter=state.needs_filter)
         else:
             graph, (token_ids, logprobs, logits, sampling) = self.graphs[graph_size]
             graph.replay()
@@ -183,7 +195,7 @@ class ModelRunner:
                 token_ids, logprobs = sample(logits, replace(sampling, needs_filter=True))
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
-        return token_ids[:batch], logprobs[:batch]
+        return token_ids[:batch], logprobs[:batch], logits[:batch]
 
     def _decode_step(self, rows: int, *, needs_filter: bool) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
         """One decode step of state rows [0, rows), all on the device (this is what a graph captures):

@@ -150,15 +150,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.counters.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int) -> list[Sequence]:
-        """Appends each sampled token; returns the sequences that finished (their blocks are freed). A row
-        of a sequence that finished before (a look-ahead step, an abort) is dropped."""
+    def postprocess(
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int, top: list[dict[int, float]] | None = None
+    ) -> list[Sequence]:
+        """Appends each sampled token (and its row of `top` alternatives to a sequence that asked for
+        them); returns the sequences that finished (their blocks are freed). A row of a sequence that
+        finished before (a look-ahead step, an abort) is dropped."""
         finished = []
-        for seq, token_id, logprob in zip(batch.seqs, token_ids, logprobs):
+        for i, (seq, token_id, logprob) in enumerate(zip(batch.seqs, token_ids, logprobs)):
             if seq.status is Status.FINISHED:
                 continue
             seq.token_ids.append(token_id)
             seq.logprobs.append(logprob)
+            if top is not None and seq.params.top_logprobs:
+                seq.top_logprobs.append(dict(list(top[i].items())[: seq.params.top_logprobs]))
             seq.policy_versions.append(version)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:

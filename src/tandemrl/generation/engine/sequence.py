@@ -47,6 +47,7 @@ class Sequence:
     cache_epoch: int = 0  # BlockManager.epoch when the blocks were allocated
     logprobs: list[float] = field(default_factory=list)  # [T]
     policy_versions: list[int] = field(default_factory=list)  # [T]
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # [T] when params.top_logprobs > 0
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
@@ -71,4 +72,5 @@ class Sequence:
             logprobs=list(self.logprobs),
             finish_reason=self.finish_reason,
             policy_versions=list(self.policy_versions),
+            top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
         )

@@ -182,7 +182,11 @@ def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any
     if result.get("status", 200) >= 400:
         future.set_exception(ServerError(url, result["status"], result.get("error") or ""))
         return
-    future.set_result(Completion(token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"]))
+    top = result.get("top_logprobs")
+    future.set_result(Completion(
+        token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"],
+        top_logprobs=None if top is None else [{int(i): v for i, v in row.items()} for row in top],
+    ))  # fmt: skip
 
 
 def _fail(calls: list[Call], error: Exception) -> None:

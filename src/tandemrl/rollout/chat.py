@@ -87,9 +87,12 @@ class ChatFormat:
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template; use an -Instruct model")
-        self.tokenizer, self.tools = tokenizer, tools or None
-        self._stand_in = _STAND_INS[0] if self._renders(_STAND_INS[0]) else _STAND_INS[1]
-        closing_ids = self._encode(self._after_mark([{"role": "user", "content": "u"}], add_generation_prompt=False))
+        self.tokenizer = tokenizer
+        self._stand_in = _STAND_INS[0] if self._renders(_STAND_INS[0], tools) else _STAND_INS[1]
+        probe = [{"role": "tool", "content": "x"}]
+        same = self._after_mark(probe, True, tools) == self._after_mark(probe, True, None)
+        self._tools = None if same else tools or None  # schemas that change nothing after the marker are left out: faster
+        closing_ids = self._encode(self._after_mark([{"role": "user", "content": "u"}], False, self._tools))
         self.end_of_turn_id: int | None = closing_ids[0] if closing_ids else None
         """The token that ends an assistant turn (ChatML: <|im_end|>); generation stops on it."""
         self._end_text = self.tokenizer.decode(closing_ids[:1])
@@ -100,31 +103,29 @@ class ChatFormat:
         Example (ChatML, turn ended by <|im_end|>), [tool "7"] -> ids of
         "\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"
         """
-        text = self._after_mark(messages, add_generation_prompt=True)
+        text = self._after_mark(messages, True, self._tools)
         if last_sampled_id is not None and last_sampled_id == self.end_of_turn_id and text.startswith(self._end_text):
             text = text[len(self._end_text) :]
         return self._encode(text)
 
-    def _after_mark(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
-        full = self._render(self._stand_in + messages, add_generation_prompt=add_generation_prompt)
+    def _after_mark(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        full = self._render(self._stand_in + messages, add_generation_prompt, tools)
         if full.count(_MARK) != 1:
             raise ValueError("the chat template does not render an assistant message's content once, as given; "
                              "multi-turn rollouts need a template that does")
         return full[full.index(_MARK) + len(_MARK) :]
 
-    def _renders(self, messages: list[Message]) -> bool:
+    def _renders(self, messages: list[Message], tools: list[dict] | None) -> bool:
         from jinja2 import TemplateError
 
         try:
-            self._render(messages, add_generation_prompt=False)
+            self._render(messages, False, tools)
         except TemplateError:  # raise_exception in the template: e.g. a template without a system role
             return False
         return True
 
-    def _render(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+    def _render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

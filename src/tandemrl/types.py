@@ -16,14 +16,19 @@ Message = dict[str, Any]
 # The one sampling contract: every limit and rule of SamplingParams is here. The server's schemas
 # (server/wire.py, server/openai.py) state the same ranges from SAMPLING_BOUNDS and convert to
 # SamplingParams, so whatever a caller builds is legal for every Generator and every server.
+# Every field is bounded above too, so no request can overflow a step of the engine (a top_k of 10**20
+# once did, and failed every request in flight with it); NaN fails every comparison, so it is refused.
+MAX_TOKENS = 2**31 - 1
 MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 2**31 - 1  # past the vocabulary it filters nothing
 MAX_SEED = 2**63 - 1
+MAX_STOP_CHARS = 1024  # per stop string: the engine detokenizes that many tokens after every step
 GREEDY_EPS = 1e-5  # below this a temperature is greedy: dividing logits by it overflows float32 (vLLM draws the same line)
 SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's ge/gt/le, inclusive unless gt
-    "max_tokens": {"ge": 1},
+    "max_tokens": {"ge": 1, "le": MAX_TOKENS},
     "temperature": {"ge": 0, "le": MAX_TEMPERATURE},
     "top_p": {"gt": 0, "le": 1},
-    "top_k": {"ge": -1},  # -1 = off; 0 is illegal (see __post_init__)
+    "top_k": {"ge": -1, "le": MAX_TOP_K},  # -1 = off; 0 is illegal (see __post_init__)
     "min_p": {"ge": 0, "le": 1},
     "seed": {"ge": 0, "le": MAX_SEED},
 }
@@ -59,6 +64,8 @@ class SamplingParams:
         for name, most in SAMPLING_MAX_ITEMS.items():
             if len(getattr(self, name)) > most:
                 raise ValueError(f"{name} takes at most {most} items, got {len(getattr(self, name))}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings take at most {MAX_STOP_CHARS} characters each")
         if 0 < self.temperature < GREEDY_EPS:
             object.__setattr__(self, "temperature", 0.0)  # frozen: the one rewrite, at construction
 

@@ -53,3 +53,16 @@ def test_any_legal_sampling_params_is_a_legal_wire_item():
     params = SamplingParams(temperature=MAX_TEMPERATURE, top_k=1, seed=MAX_SEED, stop=("x",) * SAMPLING_MAX_ITEMS["stop"])
     item = BatchItem(prompt_ids=[1], request_id="a", **dataclasses.asdict(params))
     assert to_sampling_params(item) == params
+
+
+@pytest.mark.parametrize(
+    "fields, word",
+    [
+        ({"top_k": 10**20}, "top_k"), ({"max_tokens": 2**63}, "max_tokens"), ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"min_p": float("nan")}, "min_p"),
+        ({"seed": 2**64}, "seed"), ({"stop": ("x" * 5000,)}, "stop"),
+    ],
+)
+def test_every_sampling_field_is_bounded_above_and_nan_is_refused(fields, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**fields)

@@ -10,6 +10,10 @@ its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while 
 That step is in flight between two calls of `step`; whatever needs the engine still (weight updates,
 sleep, wake) finishes it first, under the step lock. Sampling noise depends on (seed, position) alone,
 so the tokens are those of a run without overlap; rows of sequences that finished are dropped.
+
+A step that raises fails no request by itself: its sequences wait again and are each prefilled alone
+(Scheduler.isolate), so the one that causes the failure fails alone, with the error, and the others
+go on to the tokens they would have drawn anyway (sampling noise depends on (seed, position) alone).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when never alone in one
 
 
 class Engine:
@@ -72,6 +77,7 @@ class Engine:
         )
         self.overlap = self.device.type == "cuda"  # launch the next decode before waiting (module docstring)
         self._ahead: tuple[ScheduledBatch, Launched, int] | None = None  # that step and its version, in flight
+        self._in_step: list[Sequence] = []  # the sequences of the step being run (blamed if it raises)
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # requests submitted in one event-loop tick reach the engine together, so they share a step: a
@@ -207,20 +213,42 @@ class Engine:
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
-            log.exception("engine step failed; failing the requests in flight")
+        except Exception as error:  # noqa: BLE001 - a failed step fails the request behind it, not the engine
             self._ahead = None
             self.runner.state.invalidate()
+            self.blocks.reset_prefix_cache()  # blocks hashed at admission may never have been written
+            self._isolate_failure(error)
+
+    def _isolate_failure(self, error: Exception) -> None:
+        """A step with one sequence (or one that has failed MAX_FAILED_STEPS steps) fails it; a step
+        with several sends them back to wait, each to be prefilled alone (module docstring)."""
+        suspects = [seq for seq in dict.fromkeys(self._in_step) if seq.status is not Status.FINISHED]
+        if not suspects:  # not attributable to a request (scheduling itself raised): nothing to retry
+            log.exception("engine step failed outside any request; failing the requests in flight")
             self._fail_all(error)
+            return
+        for seq in suspects:
+            seq.num_failed_steps += 1
+        guilty = [seq for seq in suspects if len(suspects) == 1 or seq.num_failed_steps >= MAX_FAILED_STEPS]
+        log.warning("engine step of %d requests failed (%s: %s); failing %d, retrying %d alone", len(suspects),
+                    type(error).__name__, error, len(guilty), len(suspects) - len(guilty), exc_info=bool(guilty))
+        for seq in guilty:
+            self.scheduler.abort(seq)
+            self._streaming.discard(seq)
+            seq.on_finish(error)
+        self.scheduler.isolate([seq for seq in suspects if seq not in guilty])
 
     def step(self) -> None:
         if self._ahead is not None:
             batch, launched, version = self._ahead
             self._ahead = None
+            self._in_step = batch.seqs
         else:
+            self._in_step = []
             batch = self._timed(self.scheduler.schedule)
             if batch is None:
                 return
+            self._in_step = batch.seqs
             launched, version = self.runner.launch(batch), self.version
         ahead = self._timed(self.scheduler.schedule_ahead, batch) if self.overlap else None
         if ahead is not None:
@@ -240,6 +268,7 @@ class Engine:
         if self._ahead is not None:
             batch, launched, version = self._ahead
             self._ahead = None
+            self._in_step = batch.seqs
             self._finish(batch, launched, version)
 
     def _finish(self, batch: ScheduledBatch, launched: Launched, version: int) -> None:
@@ -256,6 +285,9 @@ class Engine:
             self._streaming.difference_update(finished)
         for seq in finished:
             seq.on_finish(seq.completion())
+        if batch.is_prefill:  # an isolated sequence whose own step succeeded is cleared
+            for seq in batch.seqs:
+                seq.isolated = False
         times.postprocess_s += time.perf_counter() - start
 
     def _drain_inbox(self) -> None:

@@ -8,6 +8,9 @@ same tokens as an unpreempted run, because sampling noise depends on (seed, posi
 Prefix sharing: a waiting sequence whose whole context equals one already admitted in this step is a
 follower: it shares the leader's full blocks, gets a copy of the leader's partial last block after the
 forward, and samples from the leader's last logits. A group of G equal prompts prefills one prompt.
+
+Isolation: the sequences of a step that raised wait again, each flagged `isolated`, and each is then
+prefilled in a step of its own, so the next failure names the one sequence that causes it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.isolated and batch.seqs:
+                break
             key = tuple(seq.token_ids)
             leader = leaders.get(key)
             cost = 0 if leader else seq.num_tokens
@@ -99,6 +104,8 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(new_tokens)
             batch.sample_rows.append(leader_rows[(leader or seq).seq_id])
+            if seq.isolated:
+                break
         return batch if batch.seqs else None
 
     def _share_partial_block(self, leader: Sequence, follower: Sequence, batch: ScheduledBatch) -> None:
@@ -203,6 +210,15 @@ class Scheduler:
         (self.waiting if seq.status is Status.WAITING else self.running).remove(seq)
         self.finish(seq, "abort")
         return True
+
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """Sends `seqs` (of a step that raised) back to wait, each to be prefilled alone."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            self.blocks.deallocate(seq)
+            seq.status = Status.WAITING
+            seq.isolated = True
+            self.waiting.appendleft(seq)
 
     def preempt_all(self) -> None:
         """Frees every block (the engine goes to sleep): running sequences wait to re-prefill."""

@@ -49,6 +49,8 @@ class Sequence:
     policy_versions: list[int] = field(default_factory=list)  # [T]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # [T] when params.top_logprobs > 0
     finish_reason: FinishReason | None = None
+    num_failed_steps: int = 0  # steps that raised with this sequence in them
+    isolated: bool = False  # after a failed step: admitted alone, until a step of its own succeeds
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -298,3 +298,52 @@ def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(
     finally:
         run(engine.close())
         run(fresh.close())
+
+
+def _bypassing_validation(params: SamplingParams, **fields) -> SamplingParams:
+    """`params` with fields SamplingParams would refuse: what a bug past validation would send."""
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_a_request_that_breaks_a_step_fails_alone_and_its_neighbours_finish_unchanged(family_dirs):
+    engine = make_engine(family_dirs["qwen2"])
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    alone = [run(engine.generate(p, s)) for p, s in zip(prompts, params)]
+    bad = _bypassing_validation(SamplingParams(max_tokens=8, ignore_eos=True), top_k=10**20)  # overflows int64
+
+    async def together():
+        return await asyncio.gather(engine.generate(prompts[0], bad), *(engine.generate(p, s) for p, s in zip(prompts, params)), return_exceptions=True)
+
+    failed, *completions = run(together())
+    assert isinstance(failed, Exception) and "Overflow" in str(failed)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in alone]
+    assert run(engine.generate(prompts[1], params[1])).token_ids == alone[1].token_ids  # the engine serves on
+    assert engine.stats()["engine/kv_blocks_used"] == 0
+    run(engine.close())
+
+
+def test_a_request_that_breaks_decode_steps_fails_alone(family_dirs, monkeypatch):
+    engine = make_engine(family_dirs["qwen2"])
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    alone = [run(engine.generate(p, s)) for p, s in zip(prompts, params)]
+    poison = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    launch = engine.runner.launch
+
+    def failing_launch(batch):  # the poisoned request breaks every step from its 4th token on
+        if any(seq.params is poison and seq.num_output_tokens >= 3 for seq in batch.seqs):
+            raise RuntimeError("device assert")
+        return launch(batch)
+
+    monkeypatch.setattr(engine.runner, "launch", failing_launch)
+
+    async def together():
+        return await asyncio.gather(engine.generate(prompts[0], poison), *(engine.generate(p, s) for p, s in zip(prompts, params)), return_exceptions=True)
+
+    failed, *completions = run(together())
+    assert isinstance(failed, RuntimeError) and "device assert" in str(failed)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in alone]
+    run(engine.close())

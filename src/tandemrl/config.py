@@ -96,6 +96,13 @@ class RewardConfig:
     """Reward functions: built-in names (math_accuracy, format, length), module:function or file.py:function."""
     reward_weights: tuple[float, ...] = ()
     """One weight per reward function (default 1.0 each)."""
+    reward_nonfinite: Literal["error", "skip"] = "error"
+    """A reward (or weighted total) that is inf or NaN: error (stop, naming the function) or skip (drop its
+    group, counted in rollout/nonfinite_reward_groups)."""
+
+    def __post_init__(self) -> None:
+        if self.reward_nonfinite not in ("error", "skip"):
+            raise ValueError(f"--reward_nonfinite must be error or skip, got {self.reward_nonfinite!r}")
 
 
 @dataclass(kw_only=True)

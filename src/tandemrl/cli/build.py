@@ -270,6 +270,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         log_completions_steps=config.log.log_completions_steps,
         save_steps=config.checkpoint.save_steps,
         save_total_limit=config.checkpoint.save_total_limit,
+        reward_nonfinite=config.reward.reward_nonfinite,
     )
 
 

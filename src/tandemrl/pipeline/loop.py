@@ -10,6 +10,7 @@ Legend: P groups per step, G group size.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import MultiTurn, conversation_of
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import Batch, Example, Group, SamplingParams
+from tandemrl.types import Batch, Example, Group, RolloutStatus, SamplingParams
 from tandemrl.weights.base import WeightSync
 
 
@@ -46,6 +47,7 @@ class LoopSettings:
     log_completions_steps: int
     save_steps: int
     save_total_limit: int
+    reward_nonfinite: str = "error"
 
 
 @dataclass(kw_only=True)
@@ -98,21 +100,30 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
         for p, i in enumerate(indices)
     ))
     t1 = time.perf_counter()
-    await score_groups([g for g in groups if not failed(g)], parts.reward_funcs, parts.reward_weights)
-    return list(groups), {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1}
+    num_nonfinite = await score_groups(
+        [g for g in groups if not failed(g)], parts.reward_funcs, parts.reward_weights, nonfinite=settings.reward_nonfinite
+    )
+    times = {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1}
+    return list(groups), {**times, "rollout/nonfinite_reward_groups": float(num_nonfinite)}
 
 
-async def score_groups(groups: list[Group], funcs: list[RewardFunc], weights: list[float] | None) -> None:
-    """Writes each rollout's `rewards` and weighted `reward` (reward functions see whole batches)."""
+async def score_groups(groups: list[Group], funcs: list[RewardFunc], weights: list[float] | None, *, nonfinite: str = "error") -> int:
+    """Writes each rollout's `rewards` and weighted `reward` (reward functions see whole batches).
+    With nonfinite="skip", a group with a non-finite reward is marked failed; returns how many were."""
     rollouts = [r for g in groups for r in g.rollouts]
     if not rollouts:
-        return
+        return 0
     columns = {key: [r.example.columns[key] for r in rollouts] for key in rollouts[0].example.columns}
     prompts = [r.example.prompt for r in rollouts]
-    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns)
+    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns, nonfinite=nonfinite)
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}
+    poisoned = [g for g in groups if any(math.isnan(r.reward) for r in g.rollouts)]
+    for group in poisoned:
+        for rollout in group.rollouts:
+            rollout.status = RolloutStatus.ERROR
+    return len(poisoned)
 
 
 def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[Batch, dict[str, float]]:

@@ -1,7 +1,8 @@
 """Loading reward functions by name and scoring completions with all of them at once.
 
 Invariant: `score` returns one total and, per function, one value (float or None) for every completion,
-or raises a one-line ValueError that names the function at fault. A generative judge is one more
+or raises a one-line ValueError that names the function at fault. Every value and total is finite,
+unless asked to keep non-finite ones as NaN (`nonfinite="skip"`: the caller drops their groups). A generative judge is one more
 reward function (an `async def` that calls a Generator), loaded and scored like any other.
 """
 
@@ -55,6 +56,8 @@ async def score(
     prompts: list[Any],
     completions: list[str],
     columns: dict[str, list[Any]],
+    *,
+    nonfinite: str = "error",
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
 
@@ -71,9 +74,23 @@ async def score(
     results = await asyncio.gather(*(_call(f, prompts, completions, columns) for f in funcs))
     values = {f.name: result for f, result in zip(funcs, results)}
     totals = [
-        sum(w * v[i] for w, v in zip(weights, results) if v[i] is not None) for i in range(len(completions))
+        float(sum(w * v[i] for w, v in zip(weights, results) if v[i] is not None)) for i in range(len(completions))
     ]
-    return [float(t) for t in totals], values
+    if nonfinite == "error":
+        _check_finite(values, totals)
+    return [t if math.isfinite(t) else math.nan for t in totals], values
+
+
+def _check_finite(values: dict[str, list[float | None]], totals: list[float]) -> None:
+    """A non-finite reward would make the loss NaN and every weight after it (issue 15): stop, naming it."""
+    fix = "return finite floats (or None), or pass --reward_nonfinite skip to drop such groups"
+    for name, result in values.items():
+        for i, value in enumerate(result):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"reward function '{name}' returned {value!r} at position {i}; {fix}")
+    for i, total in enumerate(totals):
+        if not math.isfinite(total):
+            raise ValueError(f"the weighted reward of completion {i} overflows to {total!r}; {fix}")
 
 
 async def _call(
@@ -119,7 +136,7 @@ def _check_values(name: str, result: Any, expected: int) -> list[float | None]:
             f"reward function '{name}' returned {len(result)} values for {expected} completions; return one per completion"
         )
     for i, value in enumerate(result):
-        if value is not None and (not isinstance(value, numbers.Real) or math.isnan(value)):
+        if value is not None and not isinstance(value, numbers.Real):
             raise ValueError(
                 f"reward function '{name}' returned {value!r} at position {i}; return floats, or None where not applicable"
             )

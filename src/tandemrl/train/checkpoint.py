@@ -1,8 +1,9 @@
 """Checkpoints: an HF-format model + tokenizer (safetensors, loadable by transformers as is) beside the
 trainer state (optimizer, scheduler, every RNG, data position, policy version).
 
-Invariant: a directory named checkpoint-<step> is complete. It is written under a temporary name and
-renamed at the end, so a crash mid-save leaves only a temporary directory that resume ignores.
+Invariant: a directory named checkpoint-<step> is complete and its weights are finite. It is written
+under a temporary name and renamed at the end, so a crash mid-save leaves only a temporary directory
+that resume ignores.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int) -> Path:
     """Writes run_dir/checkpoint-<step> atomically and prunes the oldest beyond `limit` (0 = keep all)."""
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:  # the trainer never applies a non-finite step; this is the last line of defence
+        raise ValueError(f"refusing to save checkpoint-{step}: weight {bad} holds inf or NaN")
     run_dir = Path(run_dir)
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"

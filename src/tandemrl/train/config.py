@@ -24,6 +24,9 @@ class TrainerConfig:
     """After warm-up: constant, linear (to 0 at max_steps) or cosine (to 0 at max_steps)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    max_skipped_steps: int = 3
+    """An optimizer step whose loss or gradient norm is inf or NaN is skipped (weights unchanged); stop
+    with an error after this many in a row."""
     max_tokens_per_microbatch: int = 0
     """Token budget of one packed micro-batch (sequences packed without padding); 0 = auto: on a GPU chosen
     from free memory (at most 16384), on CPU 8192. No-grad passes (reference, old policy) take 4x on a GPU."""
@@ -47,6 +50,8 @@ class TrainerConfig:
             raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.max_skipped_steps < 1:
+            raise ValueError("--max_skipped_steps must be >= 1")
         if self.max_tokens_per_microbatch < 0:
             raise ValueError("--max_tokens_per_microbatch must be >= 0 (0 = chosen from free memory)")
 

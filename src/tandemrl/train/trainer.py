@@ -13,6 +13,7 @@ Legend: N packed tokens of a micro-batch, H hidden size, S sequences.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -26,6 +27,8 @@ from tandemrl.train.config import TrainerConfig
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
 
+log = logging.getLogger(__name__)
+
 
 class Trainer:
     """Owns the policy's optimizer state and its policy_version (the count of optimizer steps)."""
@@ -37,6 +40,7 @@ class Trainer:
         self.model = model
         self.device = next(model.parameters()).device
         self.policy_version = 0
+        self.num_skipped_steps = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
         self.plan: ForwardPlan = forward_plan(config, model)
@@ -87,10 +91,26 @@ class Trainer:
         values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
+        if not (math.isfinite(grad_norm) and math.isfinite(values["loss"])):
+            return {**self._skip_step(values, grad_norm), "learning_rate": lr}
+        self.num_skipped_steps = 0
         self.optimizer.step()
         self.scheduler.step()
         self.policy_version += 1
         return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
+
+    def _skip_step(self, sums: dict[str, float], grad_norm: float) -> dict[str, float]:
+        """A non-finite loss or gradient is never applied: the weights stay as they are (no NaN reaches
+        a checkpoint), and too many such steps in a row stop the run with the reason."""
+        self.plan.zero_grad(self.optimizer)
+        self.num_skipped_steps += 1
+        log.warning("optimizer step skipped: loss %s, grad norm %s (%d in a row)", sums["loss"], grad_norm, self.num_skipped_steps)
+        if self.num_skipped_steps >= self.config.max_skipped_steps:
+            raise ValueError(
+                f"{self.num_skipped_steps} optimizer steps in a row had a non-finite loss or gradient norm (last: loss "
+                f"{sums['loss']}, grad norm {grad_norm}); lower --learning_rate or check the rewards (--max_skipped_steps)"
+            )
+        return {**sums, "grad_norm": grad_norm, "train/skipped_steps": 1.0, "policy_version": float(self.policy_version)}
 
     def _micro_loss(self, model: Any, m: PackedBatch, ref: torch.Tensor | None, counts: dict, *, fresh_old: bool):
         logprobs, entropy = self._forward(model, m)  # [N], [N]

@@ -105,7 +105,6 @@ def test_a_raising_function_becomes_one_line_naming_it() -> None:
         ([1.0], "reward function 'f' returned 1 values for 2 completions; return one per completion"),
         (1.0, "reward function 'f' must return a list of 2 floats or None, got float"),
         ([1.0, "yes"], "reward function 'f' returned 'yes' at position 1; return floats, or None where not applicable"),
-        ([1.0, float("nan")], "reward function 'f' returned nan at position 1; return floats, or None where not applicable"),
     ],
 )
 def test_wrong_length_or_types_name_the_function(result, message) -> None:
@@ -123,3 +122,24 @@ def test_weights_must_match_functions() -> None:
 def test_bools_and_ints_become_floats() -> None:
     totals, values = _run([RewardFunc(name="f", fn=lambda p, c, **kw: [True, 0])], None, ["x", "y"])
     assert values["f"] == [1.0, 0.0] and all(type(v) is float for v in values["f"])
+
+
+SKIP_FIX = "return finite floats (or None), or pass --reward_nonfinite skip to drop such groups"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_reward_is_an_error_naming_the_function(bad) -> None:
+    message = f"reward function 'f' returned {bad!r} at position 1; {SKIP_FIX}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _run([RewardFunc(name="f", fn=lambda p, c, **kw: [1.0, bad])], None, ["x", "y"])
+
+
+def test_a_weighted_total_that_overflows_is_an_error_too() -> None:
+    with pytest.raises(ValueError, match=re.escape(f"the weighted reward of completion 0 overflows to inf; {SKIP_FIX}")):
+        _run([RewardFunc(name="f", fn=lambda p, c, **kw: [1e308])], [10.0], ["x"])
+
+
+def test_with_skip_non_finite_totals_come_back_as_nan() -> None:
+    funcs = [RewardFunc(name="f", fn=lambda p, c, **kw: [1.0, float("inf")])]
+    totals, values = asyncio.run(score(funcs, None, ["p", "p"], ["x", "y"], {}, nonfinite="skip"))
+    assert totals[0] == 1.0 and totals[1] != totals[1] and values["f"] == [1.0, float("inf")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandemrl.tasks.tiny import build_model, build_tokenizer
@@ -31,3 +32,15 @@ def test_rng_state_round_trip_replays_the_same_draws():
     first = torch.rand(3)
     set_rng_state(state)
     assert torch.equal(torch.rand(3), first)
+
+
+def test_a_checkpoint_never_holds_non_finite_weights(tmp_path):
+    from tandemrl.tasks.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="holds inf or NaN"):
+        save_checkpoint(tmp_path, 1, model=model, tokenizer=tokenizer, state={}, limit=0)
+    assert latest_checkpoint(tmp_path) is None

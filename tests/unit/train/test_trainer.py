@@ -93,3 +93,21 @@ def test_bfloat16_master_weights_are_accepted_and_other_dtypes_refused():
     assert TrainerConfig(dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match="--dtype must be float32 or bfloat16"):
         TrainerConfig(dtype="float16")
+
+
+def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_with_the_reason():
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2, max_skipped_steps=2), AlgoConfig(), model, max_steps=5)
+    poisoned = make_batch()
+    poisoned.groups[0].advantages[0] = float("inf")  # what a reward of inf or 1e308 becomes
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    metrics = trainer.train_step(poisoned)
+    assert metrics["train/skipped_steps"] == 1.0 and trainer.policy_version == 0
+    assert all(torch.equal(before[k], p) for k, p in model.named_parameters())  # nothing applied, no NaN
+    trainer.train_step(make_batch())  # a finite step resets the count
+    assert trainer.policy_version == 1 and trainer.num_skipped_steps == 0
+    trainer.train_step(poisoned)
+    with pytest.raises(ValueError, match="2 optimizer steps in a row had a non-finite loss"):
+        trainer.train_step(poisoned)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -100,7 +100,13 @@ class RewardConfig:
     """A reward (or weighted total) that is inf or NaN: error (stop, naming the function) or skip (drop its
     group, counted in rollout/nonfinite_reward_groups)."""
 
+    reward_timeout_s: float = 600.0
+    """Deadline of one call of a reward function (async ones are cancelled, sync ones abandoned); the groups
+    it was scoring are not trained, counted in rollout/reward_timeouts."""
+
     def __post_init__(self) -> None:
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"--reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if self.reward_nonfinite not in ("error", "skip"):
             raise ValueError(f"--reward_nonfinite must be error or skip, got {self.reward_nonfinite!r}")
 
@@ -118,6 +124,9 @@ class LogConfig:
     """Print and log a few sample completions every this many steps (0 = never)."""
     run_name: str = ""
     """Name of the run in the sinks (default: the run directory's name)."""
+    heartbeat_s: float = 30.0
+    """Most seconds between two progress lines when stdout is not a terminal; a step running longer gets a
+    line saying which phase it is in."""
 
 
 LEAVES = (

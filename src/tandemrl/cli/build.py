@@ -69,6 +69,7 @@ def run(config: TrainConfig) -> Path:
         progress=Progress(
             config.run.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
             num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
+            heartbeat_s=config.log.heartbeat_s, watch=True,
         ),
         run_dir=run_dir,
     )
@@ -271,6 +272,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         save_steps=config.checkpoint.save_steps,
         save_total_limit=config.checkpoint.save_total_limit,
         reward_nonfinite=config.reward.reward_nonfinite,
+        reward_timeout_s=config.reward.reward_timeout_s,
     )
 
 

@@ -4,9 +4,13 @@ parts from their leaf configs, and runs the loop. The only place that picks reci
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +107,8 @@ def main(argv: list[str]) -> int:
     from tandemrl.cli.build import run
 
     started = time.monotonic()
-    run_dir = run(config)
+    with ctrl_c_ends_the_run():
+        run_dir = run(config)
     from tandemrl.logging.console import summary
     from tandemrl.logging.metrics import read_metrics
     from tandemrl.train.checkpoint import latest_checkpoint
@@ -112,3 +117,32 @@ def main(argv: list[str]) -> int:
     lines = summary(read_metrics(run_dir), wall_s=time.monotonic() - started, run_dir=str(run_dir), checkpoint=str(checkpoint) if checkpoint else None)
     print("\n".join(lines))
     return 0
+
+
+@contextlib.contextmanager
+def ctrl_c_ends_the_run(grace_s: float = 10.0):
+    """SIGINT always ends the run within seconds. The first raises KeyboardInterrupt in the main thread,
+    so the loop unwinds (exit 130, checkpoints are renamed into place whole, never half-written); a
+    thread that would hold the exit (a reward that never returns, a step in flight) gets `grace_s`, then
+    the process exits. A second SIGINT exits at once."""
+
+    def exit_now() -> None:
+        print("tandem train: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if interrupted.is_set():
+            exit_now()
+        interrupted.set()
+        timer = threading.Timer(grace_s, exit_now)
+        timer.daemon = True  # never holds an exit that happens in time
+        timer.start()
+        raise KeyboardInterrupt
+
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if not interrupted.is_set():  # once interrupted, a second Ctrl-C during the unwinding still exits
+            signal.signal(signal.SIGINT, previous)

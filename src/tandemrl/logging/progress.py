@@ -2,12 +2,15 @@
 
 Under nohup or CI (stream not a tty) a line like `step 12/200 reward 0.41 kl 0.002 step_time 1.3s eta
 4m05s queue 3` is written at most every `heartbeat_s` seconds, always for the first and last step, and
-on close for a step not yet shown, so a log never ends silent.
+on close for a step not yet shown, so a log never ends silent. A step that runs past `heartbeat_s`
+gets a line too, saying which phase it is in (`step 13/200 in reward for 2m00s`), written by a watch
+thread, so a stuck step is visible even while nothing else runs.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -56,9 +59,11 @@ class Progress:
         logging_steps: int = 0,
         num_rollouts: int = 0,
         memory_gb: Callable[[], float | None] = lambda: None,
+        watch: bool = False,
     ) -> None:
         """`logging_steps` > 0 prints a full step line (console.step_line) every that many steps, on the
-        first and on the last, kept in the scrollback; `num_rollouts` per step gives its tokens/s."""
+        first and on the last, kept in the scrollback; `num_rollouts` per step gives its tokens/s; `watch`
+        starts the thread that reports a step stuck in one phase (beat_if_stuck)."""
         stream = sys.stdout if stream is None else stream
         self.total_steps = total_steps
         self.start_step = start_step
@@ -71,6 +76,12 @@ class Progress:
         self._last_beat: float | None = None
         self._pending: str | None = None  # the newest heartbeat line not yet written
         self._bar = self._start_bar() if self.interactive else None
+        self._step = start_step  # steps done
+        self._phase = ("start", clock())  # the phase now running, and since when
+        self._last_line = clock()  # the last time a line (or bar update) told the user something
+        self._closed = threading.Event()
+        if watch:
+            threading.Thread(target=self._watch, name="progress-watch", daemon=True).start()
 
     def _start_bar(self) -> Any:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -102,6 +113,7 @@ class Progress:
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Call after step `step` (1-based: the count of steps done) with that step's metrics."""
         stats = self.stats(step, metrics)
+        self._step, self._last_line = step, self.clock()
         if self._is_logging_step(step):
             line = step_line(step, self.total_steps, metrics, num_rollouts=self.num_rollouts, memory_gb=self.memory_gb())
             self.console.print(line, markup=False, highlight=False)  # above the bar on a terminal
@@ -120,6 +132,27 @@ class Progress:
     def _is_logging_step(self, step: int) -> bool:
         every = self.logging_steps
         return every > 0 and (step % every == 0 or step == self.start_step + 1 or step >= self.total_steps)
+
+    def phase(self, name: str) -> None:
+        """The part of the step now running (generate, reward, train, sync, save)."""
+        self._phase = (name, self.clock())
+
+    def beat_if_stuck(self) -> None:
+        """Past `heartbeat_s` without a line: say which phase the running step is in, and for how long."""
+        now = self.clock()
+        if now - self._last_line < self.heartbeat_s or self._step >= self.total_steps:
+            return
+        name, since = self._phase
+        line = f"step {self._step + 1}/{self.total_steps} in {name} for {format_duration(now - since)}"
+        self._last_line = now
+        if self._bar is not None:
+            self._bar.update(self._task, stats=line)
+        else:
+            self.console.print(line, markup=False, highlight=False)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(min(self.heartbeat_s, 5.0)):
+            self.beat_if_stuck()
 
     def _write_pending(self) -> None:
         if self._pending is not None:
@@ -147,6 +180,7 @@ class Progress:
             self.console.print(line, markup=False, highlight=False)
 
     def close(self) -> None:
+        self._closed.set()
         if self._bar is not None:
             self._bar.stop()
         self._write_pending()

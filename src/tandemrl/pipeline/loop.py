@@ -10,6 +10,7 @@ Legend: P groups per step, G group size.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -24,13 +25,15 @@ from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
 from tandemrl.logging.metrics import MetricsLogger
 from tandemrl.logging.progress import Progress
-from tandemrl.rewards.base import RewardFunc, score
+from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, score
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import MultiTurn, conversation_of
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Batch, Example, Group, RolloutStatus, SamplingParams
 from tandemrl.weights.base import WeightSync
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -48,6 +51,7 @@ class LoopSettings:
     save_steps: int
     save_total_limit: int
     reward_nonfinite: str = "error"
+    reward_timeout_s: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -83,12 +87,14 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
         parts.progress.update(step + 1, metrics)
         _maybe_log_completions(parts, settings, step + 1, groups)
         if _should_save(settings, step + 1):
+            parts.progress.phase("save")
             _save(parts, settings, step + 1)
     return metrics
 
 
 async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: int) -> tuple[list[Group], dict[str, float]]:
     t0 = time.perf_counter()
+    parts.progress.phase("generate")
     indices = parts.cursor.take(settings.num_prompts_per_step)
     seed0 = (settings.seed * 1_000_003 + step) * 100_003
     groups = await asyncio.gather(*(
@@ -100,14 +106,24 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
         for p, i in enumerate(indices)
     ))
     t1 = time.perf_counter()
-    num_nonfinite = await score_groups(
-        [g for g in groups if not failed(g)], parts.reward_funcs, parts.reward_weights, nonfinite=settings.reward_nonfinite
-    )
+    parts.progress.phase("reward")
+    scored = [g for g in groups if not failed(g)]
+    num_timeouts = 0
+    try:
+        num_nonfinite = await score_groups(
+            scored, parts.reward_funcs, parts.reward_weights, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
+        )
+    except RewardTimeoutError as error:  # its groups are not trained; the run goes on
+        log.warning("%s; the %d groups it was scoring are not trained", error, len(scored))
+        _mark_failed(scored)
+        num_nonfinite, num_timeouts = 0, 1
     times = {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1}
-    return list(groups), {**times, "rollout/nonfinite_reward_groups": float(num_nonfinite)}
+    return list(groups), {**times, "rollout/nonfinite_reward_groups": float(num_nonfinite), "rollout/reward_timeouts": float(num_timeouts)}
 
 
-async def score_groups(groups: list[Group], funcs: list[RewardFunc], weights: list[float] | None, *, nonfinite: str = "error") -> int:
+async def score_groups(
+    groups: list[Group], funcs: list[RewardFunc], weights: list[float] | None, *, nonfinite: str = "error", timeout_s: float | None = None
+) -> int:
     """Writes each rollout's `rewards` and weighted `reward` (reward functions see whole batches).
     With nonfinite="skip", a group with a non-finite reward is marked failed; returns how many were."""
     rollouts = [r for g in groups for r in g.rollouts]
@@ -115,15 +131,19 @@ async def score_groups(groups: list[Group], funcs: list[RewardFunc], weights: li
         return 0
     columns = {key: [r.example.columns[key] for r in rollouts] for key in rollouts[0].example.columns}
     prompts = [r.example.prompt for r in rollouts]
-    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns, nonfinite=nonfinite)
+    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns, nonfinite=nonfinite, timeout_s=timeout_s)
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}
     poisoned = [g for g in groups if any(math.isnan(r.reward) for r in g.rollouts)]
-    for group in poisoned:
+    _mark_failed(poisoned)
+    return len(poisoned)
+
+
+def _mark_failed(groups: list[Group]) -> None:
+    for group in groups:
         for rollout in group.rollouts:
             rollout.status = RolloutStatus.ERROR
-    return len(poisoned)
 
 
 def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[Batch, dict[str, float]]:
@@ -174,12 +194,14 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
 
 async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Batch) -> dict[str, float]:
     t0 = time.perf_counter()
+    parts.progress.phase("train")
     if settings.sleep_level:
         await parts.generator.sleep(settings.sleep_level)
     train_metrics = await asyncio.to_thread(parts.trainer.train_step, batch) if batch.groups else {}
     t1 = time.perf_counter()
     if settings.sleep_level:
         await parts.generator.wake()
+    parts.progress.phase("sync")
     await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
     return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1}
 

@@ -2,7 +2,9 @@
 
 Invariant: `score` returns one total and, per function, one value (float or None) for every completion,
 or raises a one-line ValueError that names the function at fault. Every value and total is finite,
-unless asked to keep non-finite ones as NaN (`nonfinite="skip"`: the caller drops their groups). A generative judge is one more
+unless asked to keep non-finite ones as NaN (`nonfinite="skip"`: the caller drops their groups).
+Every call has a deadline: an async function past it is cancelled, a sync one (run in a daemon thread
+of its own) is abandoned, so a hung reward can neither hang the run nor block its exit. A generative judge is one more
 reward function (an `async def` that calls a Generator), loaded and scored like any other.
 """
 
@@ -13,6 +15,7 @@ import inspect
 import math
 import numbers
 import os
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +23,10 @@ from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
+
+class RewardTimeoutError(TimeoutError):
+    """A reward function did not return within its deadline; the groups it was scoring are not trained."""
+
 
 USAGE = "use one of math_accuracy, format, length, or module:function / path/file.py:function"
 
@@ -58,6 +65,7 @@ async def score(
     columns: dict[str, list[Any]],
     *,
     nonfinite: str = "error",
+    timeout_s: float | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
 
@@ -71,7 +79,7 @@ async def score(
             f"got {len(weights)} reward weights for {len(funcs)} reward functions; pass one weight per function"
         )
     assert all(len(v) == len(completions) for v in columns.values()), "columns must align with completions"
-    results = await asyncio.gather(*(_call(f, prompts, completions, columns) for f in funcs))
+    results = await asyncio.gather(*(_call(f, prompts, completions, columns, timeout_s) for f in funcs))
     values = {f.name: result for f, result in zip(funcs, results)}
     totals = [
         float(sum(w * v[i] for w, v in zip(weights, results) if v[i] is not None)) for i in range(len(completions))
@@ -94,16 +102,20 @@ def _check_finite(values: dict[str, list[float | None]], totals: list[float]) ->
 
 
 async def _call(
-    func: RewardFunc, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    func: RewardFunc, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]], timeout_s: float | None
 ) -> list[float | None]:
+    deadline = asyncio.timeout(timeout_s)
     try:
-        if inspect.iscoroutinefunction(func.fn):
-            result = await func.fn(prompts, completions, **columns)
-        else:
-            result = await asyncio.to_thread(func.fn, prompts, completions, **columns)
-            if inspect.isawaitable(result):
-                result = await result
+        async with deadline:
+            if inspect.iscoroutinefunction(func.fn):
+                result = await func.fn(prompts, completions, **columns)
+            else:
+                result = await _in_daemon_thread(func, prompts, completions, **columns)
+                if inspect.isawaitable(result):
+                    result = await result
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
+        if deadline.expired():
+            raise RewardTimeoutError(f"reward function '{func.name}' did not return within {timeout_s:g} s (--reward_timeout_s)") from None
         message = " ".join(str(error).split())
         where = user_frame(error, func.fn)
         raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}{where}: {message}") from error
@@ -125,6 +137,30 @@ def user_frame(error: BaseException, fn: Any) -> str:
         return ""
     path = os.path.relpath(frames[-1].filename) if frames[-1].filename.startswith(os.getcwd() + os.sep) else frames[-1].filename
     return f" at {path}:{frames[-1].lineno}"
+
+
+def _in_daemon_thread(func: RewardFunc, *args: Any, **kwargs: Any) -> asyncio.Future:
+    """`func.fn(*args, **kwargs)` in a daemon thread of its own, not the loop's executor: a call past its
+    deadline is abandoned there, and neither the loop's shutdown nor the interpreter's exit waits for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(error: BaseException | None, result: Any) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def work() -> None:
+        try:
+            outcome: tuple[BaseException | None, Any] = (None, func.fn(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - handed to the awaiting task, which names the function
+            outcome = (error, None)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=work, name=f"reward-{func.name}", daemon=True).start()
+    return future
 
 
 def _check_values(name: str, result: Any, expected: int) -> list[float | None]:

@@ -82,3 +82,27 @@ def test_force_color_does_not_turn_a_log_file_into_a_progress_bar(monkeypatch):
     progress = Progress(10, stream=stream)
     progress.update(10, {"reward": 0.5})
     assert not progress.interactive and stream.getvalue() == "step 10/10 reward 0.5\n"
+
+
+def test_a_step_stuck_in_one_phase_gets_a_line_naming_it():
+    stream, clock = io.StringIO(), FakeClock()
+    progress = Progress(10, stream=stream, heartbeat_s=30.0, clock=clock)
+    progress.update(1, {"reward": 0.5})
+    progress.phase("reward")
+    clock.now += 20.0
+    progress.beat_if_stuck()  # not yet past the heartbeat
+    clock.now += 100.0
+    progress.beat_if_stuck()
+    progress.beat_if_stuck()  # once per heartbeat, not once per call
+    assert stream.getvalue().splitlines()[1:] == ["step 2/10 in reward for 2m00s"]
+
+
+def test_the_watch_thread_writes_while_the_step_is_stuck():
+    import time
+
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream, heartbeat_s=0.05, watch=True)
+    progress.phase("train")
+    time.sleep(0.5)
+    progress.close()
+    assert "step 1/10 in train for 0s" in stream.getvalue()

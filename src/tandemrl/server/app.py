@@ -41,7 +41,9 @@ from tandemrl.server.wire import (
 )
 
 
-def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0) -> FastAPI:
+def build_app(
+    service: RolloutService, prompter: Prompter, *, api_key: str | None = None, heartbeat_s: float = 0.0, max_request_bytes: int = 32 * 2**20
+) -> FastAPI:
     """`heartbeat_s` > 0 logs a line with the queue depth that often (for runs under nohup)."""
 
     @contextlib.asynccontextmanager
@@ -56,6 +58,7 @@ def build_app(service: RolloutService, prompter: Prompter, *, api_key: str | Non
         title="tandem rollout", version="1", lifespan=lifespan, description="Rollout server of tandem: generation over HTTP, versioned weight sync."
     )
     app.state.service, app.state.prompter = service, prompter
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # inside the key check (added after it: outermost)
     _add_guards(app, api_key)
     _add_status_routes(app, service)
     _add_native_routes(app, service, prompter)
@@ -87,7 +90,7 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
     @app.post("/generate", response_model=GenerateResponse, summary="Sample n completions of one prompt")
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-        prompt_ids = prompter.encode(prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages)
+        prompt_ids = await prompter.encode_off_loop(prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages)
         params = to_sampling_params(body)
         prompter.check(prompt_ids, params)
         if body.is_async:
@@ -189,6 +192,50 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
 def _error_body(message: str, kind: str, *, param: str | None = None) -> dict[str, Any]:
     """FastAPI's `detail`, and OpenAI's `error` object so that OpenAI clients show the message."""
     return {"detail": message, "error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413, by its Content-Length at once,
+    or as soon as the bytes read pass the limit (a chunked body), never read whole into memory."""
+
+    def __init__(self, app: Any, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        num_read = 0
+
+        async def limited() -> dict:
+            nonlocal num_read
+            message = await receive()
+            num_read += len(message.get("body", b""))
+            if num_read > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        async def unless_too_large(message: dict) -> None:
+            if num_read <= self.max_bytes:  # else the route's answer (FastAPI makes the raise a 400) is replaced
+                await send(message)
+
+        try:
+            await self.app(scope, limited, unless_too_large)
+        except _TooLarge:
+            pass
+        if num_read > self.max_bytes:  # raised while the route read its body: nothing has been sent yet
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        message = f"the request body is over {self.max_bytes} bytes (--max_request_bytes)"
+        await JSONResponse(_error_body(message, "invalid_request_error"), status_code=413)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class BearerAuth:

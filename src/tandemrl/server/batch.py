@@ -30,14 +30,20 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
         responses={200: {"content": {NDJSON: {"schema": BatchResult.model_json_schema()}}}},
     )
     async def generate_batch(body: GenerateBatchRequest) -> StreamingResponse:
-        runnable, refused = [], []
-        for item in body.items:
-            try:
-                runnable.append((item.request_id, *_prepare(prompter, item)))
-            except ValueError as error:
-                refused.append(BatchResult(request_id=item.request_id, finish_reason="error", error=str(error), status=400))
+        runnable, refused = await asyncio.to_thread(_prepare_all, prompter, body.items)  # tokenizing: off the event loop
         tasks = service.start_batch(runnable) if runnable else {}
         return StreamingResponse(_lines(service, prompter, tasks, refused), media_type=NDJSON)
+
+
+def _prepare_all(prompter: Prompter, items: list[BatchItem]) -> tuple[list[tuple[str, list[int], SamplingParams]], list[BatchResult]]:
+    """(the items that can run, with their ids, prompt ids and params; a 400 line for each other)."""
+    runnable, refused = [], []
+    for item in items:
+        try:
+            runnable.append((item.request_id, *_prepare(prompter, item)))
+        except ValueError as error:
+            refused.append(BatchResult(request_id=item.request_id, finish_reason="error", error=str(error), status=400))
+    return runnable, refused
 
 
 def _prepare(prompter: Prompter, item: BatchItem) -> tuple[list[int], SamplingParams]:

@@ -49,5 +49,5 @@ def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0, model
         receiver=WeightReceiver(device),
         device_uuid=ipc.device_uuid(device),
     )
-    prompter = Prompter(tokenizer, vocab_size=text_config.vocab_size, max_model_len=max_model_len)
-    return build_app(service, prompter, api_key=config.api_key, heartbeat_s=heartbeat_s)
+    prompter = Prompter(tokenizer, vocab_size=text_config.vocab_size, max_model_len=max_model_len, max_prompt_chars=config.max_prompt_chars)
+    return build_app(service, prompter, api_key=config.api_key, heartbeat_s=heartbeat_s, max_request_bytes=config.max_request_bytes)

@@ -43,6 +43,10 @@ class RolloutServerConfig:
     """Requests queued or running at once; more get 503 (retry later)."""
     result_ttl_s: float = 600.0
     """Seconds an uncollected async result is kept."""
+    max_request_bytes: int = 32 * 2**20
+    """Largest request body accepted; a larger one is answered 413 before it is read whole."""
+    max_prompt_chars: int = 1_000_000
+    """Longest prompt text (or rendered chat) accepted, in characters; a longer one is a 400."""
 
     def __post_init__(self) -> None:
         if self.api_key is None:

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -25,7 +25,7 @@ from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import RolloutService
 from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
-from tandemrl.types import MAX_TOP_LOGPROBS, Completion, SamplingParams
+from tandemrl.types import MAX_TOP_LOGPROBS, SAMPLING_MAX_ITEMS, Completion, SamplingParams
 
 
 class _Common(BaseModel):
@@ -36,7 +36,7 @@ class _Common(BaseModel):
     temperature: float | None = sampling_field("temperature", None)
     top_p: float | None = sampling_field("top_p", None)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = sampling_field("stop", None)
+    stop: str | Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | None = Field(None, description="One stop string (one item), or a list.")
     seed: int | None = sampling_field("seed")
     stream: bool = False
     top_k: int = sampling_field("top_k", description="tandem extension: -1 = off.")
@@ -67,13 +67,13 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.echo:
             raise ValueError("echo is not supported")
-        prompts = _prompt_list(body.prompt, prompter)
+        prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter)
         params = [_sampling(body, body.max_tokens or 16) for _ in prompts]
         return await _respond(service, prompter, request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", summary="OpenAI: chat completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        prompt_ids = prompter.encode(messages=[m.model_dump() for m in body.messages])
+        prompt_ids = await prompter.encode_off_loop(messages=[m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, prompter.max_model_len - len(prompt_ids))
         return await _respond(service, prompter, request, body, [prompt_ids], [_sampling(body, max_tokens)], chat=True)
 

@@ -1,28 +1,48 @@
 """Turns a request's prompt (token ids, text, or chat messages) into checked token ids.
 
 Invariant: what leaves here is a non-empty list of in-vocabulary ids that, with max_tokens, fits in
-max_model_len; anything else is a ValueError naming the problem (answered 400).
+max_model_len; anything else is a ValueError naming the problem (answered 400). Text is checked before
+the tokenizer sees it (at most max_prompt_chars characters, valid Unicode: a lone surrogate made the
+tokenizer raise TypeError, a 500), and `encode_off_loop` tokenizes in a worker thread, so a long prompt
+never stalls the event loop (every stream and /health with it).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from tandemrl.types import SamplingParams
 
 
 class Prompter:
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int = 1_000_000):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_chars = max_prompt_chars
 
     def encode(self, *, prompt_ids: list[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if prompt_ids is not None:
             return prompt_ids
         if prompt is not None:
-            return self.tokenizer.encode(prompt)
-        return self.tokenizer.encode(self.chat_text(messages or []), add_special_tokens=False)
+            return self.tokenizer.encode(self.checked_text(prompt))
+        return self.tokenizer.encode(self.checked_text(self.chat_text(messages or [])), add_special_tokens=False)
+
+    async def encode_off_loop(self, **prompt: Any) -> list[int]:
+        """`encode`, in a worker thread when there is text to tokenize."""
+        if prompt.get("prompt_ids") is not None:
+            return self.encode(**prompt)
+        return await asyncio.to_thread(self.encode, **prompt)
+
+    def checked_text(self, text: str) -> str:
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {len(text)} characters; this server takes at most {self.max_prompt_chars} (--max_prompt_chars)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {error.start}") from None
+        return text
 
     def chat_text(self, messages: list[dict]) -> str:
         flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]

@@ -8,6 +8,8 @@ side of weight sync: a random rendezvous address only tests the network's timeou
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import time
 
 import httpx
 import pytest
@@ -63,3 +65,60 @@ def test_sampling_field_extremes_are_served_or_refused_alone_never_failing_a_nei
                 response = future.result()
                 assert response.status_code == 200, f"neighbour of {extreme}: {response.text[:300]}"
                 assert response.json()["results"][0]["finish_reason"] == "length", f"neighbour of {extreme}"
+
+
+def post_raw(server, path: str, body: dict, **kw) -> httpx.Response:
+    """POST `body` as ASCII JSON, so lone surrogates travel as escapes (httpx would refuse to encode them)."""
+    headers = {"content-type": "application/json"}
+    return httpx.post(server.url + path, content=json.dumps(body).encode(), headers=headers, timeout=60, **kw)
+
+
+SURROGATE = "\ud800x"
+
+
+def test_a_lone_surrogate_is_a_400_on_every_text_route_and_fails_a_batch_item_alone(server):
+    refused = [
+        ("/generate", {"prompt": SURROGATE, "max_tokens": 4}),
+        ("/generate", {"messages": [{"role": "user", "content": SURROGATE}], "max_tokens": 4}),
+        ("/v1/completions", {"prompt": SURROGATE, "max_tokens": 4}),
+        ("/v1/completions", {"prompt": ["fine", SURROGATE], "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}], "max_tokens": 4}),
+    ]
+    for path, body in refused:
+        answer = post_raw(server, path, body)
+        assert 400 <= answer.status_code < 500, (path, body, answer.status_code, answer.text[:300])
+    for path in ("/generate", "/v1/completions"):  # a stop string is never tokenized: served, or refused, never a 500
+        assert post_raw(server, path, {"prompt": "hi", "max_tokens": 4, "stop": [SURROGATE]}).status_code < 500
+    good = {"prompt": "fine", "max_tokens": 4, "request_id": "good"}
+    answer = post_raw(server, "/generate_batch", {"items": [good, {**good, "prompt": SURROGATE, "request_id": "bad"}]})
+    lines = {line["request_id"]: line for line in map(json.loads, answer.text.splitlines())}
+    assert answer.status_code == 200 and lines["good"]["status"] == 200 and lines["bad"]["status"] == 400, answer.text
+    assert "lone surrogate" in lines["bad"]["error"]
+    answer = post_raw(server, "/generate_batch", {"items": [{**good, "request_id": SURROGATE}]})
+    assert answer.status_code < 500, answer.text[:300]
+
+
+def test_oversize_bodies_are_413_and_oversize_prompts_400_without_stalling_the_server(server):
+    big = b'{"prompt": "' + b"x" * (33 * 2**20) + b'"}'
+    answer = httpx.post(server.url + "/generate", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert answer.status_code == 413 and "--max_request_bytes" in answer.text
+    chunked = httpx.post(server.url + "/generate", content=iter([big[i : i + 2**20] for i in range(0, len(big), 2**20)]), timeout=60)
+    assert chunked.status_code == 413  # no Content-Length: counted as read
+    answer = httpx.post(server.url + "/generate", json={"prompt": "y" * 1_000_001, "max_tokens": 4}, timeout=60)
+    assert answer.status_code == 400 and "--max_prompt_chars" in answer.text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a long prompt is tokenized off the event loop
+        long = pool.submit(httpx.post, server.url + "/v1/completions", json={"prompt": "hello world " * 80_000, "max_tokens": 4}, timeout=120)
+        worst = 0.0
+        while not long.done():
+            started = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.05)
+        assert long.result().status_code == 400  # longer than max_model_len, once tokenized
+    assert worst < 1.0, worst
+
+
+@pytest.mark.parametrize("stop", ["a string of more than sixteen characters", ["x"] * 16])
+def test_an_openai_stop_string_is_one_item(server, stop):
+    body = {"prompt": "hi", "max_tokens": 4, "stop": stop}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200

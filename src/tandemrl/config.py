@@ -66,6 +66,8 @@ class RolloutConfig:
     """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
     rollout_server_timeout: float = 240.0
     """Server mode: seconds to wait for the servers to be ready before one clear error."""
+    api_key: str | None = None
+    """Server mode: the servers' bearer token (default: env TANDEM_API_KEY); never saved or logged."""
     temperature: float = _SAMPLING.temperature
     """Sampling temperature (the trainer's logprobs use the same)."""
     top_p: float = _SAMPLING.top_p
@@ -129,6 +131,8 @@ class LogConfig:
     line saying which phase it is in."""
 
 
+SECRETS = ("api_key",)  # flags never written to the run directory, a metrics sink or --print_config
+
 LEAVES = (
     RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
     LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig,
@@ -153,5 +157,5 @@ class TrainConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat {flag: value}, as saved in the run directory and accepted by --config."""
-        return {k: v for leaf in asdict(self).values() for k, v in leaf.items()}
+        """Flat {flag: value}, as saved in the run directory and accepted by --config; secrets left out."""
+        return {k: v for leaf in asdict(self).values() for k, v in leaf.items() if k not in SECRETS}

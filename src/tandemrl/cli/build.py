@@ -240,7 +240,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator."""
     r = config.rollout
     if r.rollout_mode == "server":
-        remote = RemoteConfig(urls=tuple(r.rollout_server_urls), rollout_server_timeout=r.rollout_server_timeout)
+        remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
         generator = build_generator(remote)
         return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device

@@ -197,13 +197,16 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     parts.progress.phase("train")
     if settings.sleep_level:
         await parts.generator.sleep(settings.sleep_level)
+    version = parts.trainer.policy_version
     train_metrics = await asyncio.to_thread(parts.trainer.train_step, batch) if batch.groups else {}
     t1 = time.perf_counter()
     if settings.sleep_level:
         await parts.generator.wake()
     parts.progress.phase("sync")
-    await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
-    return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1}
+    unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
+    if not unchanged:
+        await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+    return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
 
 
 def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, groups: list[Group]) -> None:

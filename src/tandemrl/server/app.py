@@ -249,7 +249,7 @@ class BearerAuth:
         if scope["type"] == "http":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                response = JSONResponse({"detail": "missing or wrong API key; send Authorization: Bearer KEY"}, status_code=401)
+                response = JSONResponse({"detail": "missing or wrong API key; send Authorization: Bearer KEY (tandem train: --api_key or TANDEM_API_KEY)"}, status_code=401)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

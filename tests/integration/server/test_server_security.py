@@ -56,3 +56,15 @@ def test_non_loopback_bind_without_a_key_is_refused(host):
     )
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.count("\n") == 1 and "refusing to bind" in run.stderr and "--insecure" in run.stderr
+
+
+def test_tandem_train_passes_its_api_key_to_the_servers_and_never_saves_it(keyed_server, tiny_model_dir, tmp_path):
+    args = [
+        sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--rollout_mode", "server", "--rollout_server_urls",
+        keyed_server.url, "--api_key", KEY, "--weight_sync_port", "0", "--output_dir", str(tmp_path), "--max_steps", "1",
+        "--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4", "--max_prompt_length", "64",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**env, "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not any(KEY in p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".jsonl", ".json"))

@@ -127,7 +127,7 @@ class RolloutClient:
                         continue
                     last_error = f"{url} answered {response.status_code}: {response.text[:200]}"
                     if response.status_code == 401:
-                        raise ServerError(url, 401, "wrong or missing API key; pass --api_key or set TANDEM_API_KEY")
+                        raise ServerError(url, 401, "wrong or missing API key; pass --api_key (tandem train and tandem rollout both take it) or set TANDEM_API_KEY")
                 except httpx.TransportError as error:
                     last_error = f"{url}: {error!r}"
             if waiting and time.monotonic() > deadline:

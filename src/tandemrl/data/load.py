@@ -58,15 +58,22 @@ def rows_to_examples(rows: list[dict[str, Any]], *, source: str) -> list[Example
 
 
 def check_prompt(prompt: Any, index: int, source: str) -> Any:
-    """The prompt itself if it is a string or a non-empty list of {role, content} dicts; else ValueError."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
-        return prompt
+    """The prompt itself if it is a non-blank string or a list of {role, content} dicts with some text;
+    else ValueError. An empty prompt would fail every group of it, and a run of them trains on nothing."""
+    messages = isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt)
+    if isinstance(prompt, str) or messages:
+        if prompt.strip() if isinstance(prompt, str) else any(_has_text(m) for m in prompt):
+            return prompt
+        raise ValueError(f"prompt of row {index} of dataset {source} is empty; give every row a prompt with text, or drop the row")
     shown = repr(prompt)[:60]
     raise ValueError(
         f"prompt of row {index} of dataset {source} is {shown}; give a string or a list of {{role, content}} messages"
     )
+
+
+def _has_text(message: dict) -> bool:
+    content = message["content"]
+    return bool(content.strip()) if isinstance(content, str) else bool(content)
 
 
 def _is_message(message: Any) -> bool:

@@ -113,3 +113,10 @@ def test_hub_ids_are_passed_to_datasets_with_their_config(monkeypatch) -> None:
     assert len(load_examples("openai/gsm8k:main", split="test", limit=2)) == 2
     load_examples("someone/data", config="other")
     assert calls == [("openai/gsm8k", "main", "test"), ("someone/data", "other", "train")]
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n", [{"role": "user", "content": ""}], [{"role": "user", "content": " "}, {"role": "system", "content": None}]])
+def test_an_empty_prompt_is_refused_at_load_naming_the_row(tmp_path, prompt) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
+    with pytest.raises(ValueError, match=r"^prompt of row 1 of dataset .* is empty; give every row a prompt with text, or drop the row$"):
+        load_examples(path)

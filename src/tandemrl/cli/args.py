@@ -123,16 +123,41 @@ def _default_text(default: Any) -> str:
 
 
 def build_config(cls: type, values: dict[str, Any]) -> Any:
-    """Instantiates `cls` from the values that name its fields (lists become tuples where typed so)."""
+    """Instantiates `cls` from the values that name its fields, each coerced to its field's type (YAML
+    reads `learning_rate: 1e-6` as a string), lists into tuples where typed so; ValueError names the field."""
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in values:
-            value = values[f.name]
-            if typing.get_origin(hints[f.name]) is tuple and isinstance(value, list):
-                value = tuple(value)
-            kwargs[f.name] = value
-    return cls(**kwargs)
+    return cls(**{f.name: coerce(f.name, values[f.name], hints[f.name]) for f in dataclasses.fields(cls) if f.name in values})
+
+
+def coerce(name: str, value: Any, tp: Any) -> Any:
+    """`value` as the field `name` of type `tp` takes it. Example: coerce("learning_rate", "1e-6", float) -> 1e-06"""
+    kind, extra = _parser_for(tp)
+    if extra.get("nargs") == "*":
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce_one(name, v, kind, extra.get("choices")) for v in items)
+    return _coerce_one(name, value, kind, extra.get("choices"))
+
+
+def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
+    if value is None or kind not in (None, int, float, str):  # None, or a kind YAML already gives whole (a dict)
+        return value
+    wanted = {None: "true or false", int: "an integer", float: "a number", str: "text"}[kind]
+    if kind is None:
+        ok, result = isinstance(value, bool), value
+    elif kind is str:
+        ok, result = isinstance(value, (str, int, float)) and not isinstance(value, bool), str(value)
+    else:
+        try:
+            number = float(value) if isinstance(value, str) and kind is int else value
+            ok = not isinstance(value, bool) and isinstance(number, (int, float, str)) and (kind is float or float(number).is_integer())
+            result = kind(number) if ok else None
+        except (TypeError, ValueError):
+            ok, result = False, None
+    if not ok:
+        raise ValueError(f"setting {name}: {value!r} is not {wanted}")
+    if choices is not None and result not in choices:
+        raise ValueError(f"setting {name}: {value!r} is not one of {', '.join(map(str, choices))}{did_you_mean(str(value), map(str, choices))}")
+    return result
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -143,6 +168,11 @@ def load_yaml(path: str) -> dict[str, Any]:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing --config path") from None
+    except yaml.YAMLError as error:  # malformed, or a tag safe_load refuses (!!python/object and the like)
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"config file {path!r} is not plain YAML{where}: {problem}; write flag: value lines") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of flag names to values")
     return data

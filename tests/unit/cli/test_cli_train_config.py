@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 import pytest
@@ -63,3 +64,22 @@ def test_a_field_added_later_gets_its_flag_group_and_help_without_edits():
     text = parser.format_help()
     assert "New thing:" in text and "--mode {a,b}" in text and "--enabled, --no-enabled" in text
     assert vars(parser.parse_args(["--mode", "b", "--enabled"])) == {"mode": "b", "enabled": True}
+
+
+def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("learning_rate: 1e-6\nmax_steps: '3'\nreward_weights: [1, '0.5']\n")
+    config, _ = parse(["--config", str(good)])
+    assert config.trainer.learning_rate == 1e-6 and config.run.max_steps == 3 and config.reward.reward_weights == (1.0, 0.5)
+    for text, message in [
+        ("learning_rate: fast\n", "setting learning_rate: 'fast' is not a number"),
+        ("max_steps: 2.5\n", "setting max_steps: 2.5 is not an integer"),
+        ("bf16: maybe\n", "setting bf16: 'maybe' is not true or false"),
+        ("model: [a, b]\n", "setting model: ['a', 'b'] is not text"),
+        ("learning_rate: [1\n", "is not plain YAML (line 2, column 1)"),
+        ("model: !!python/object/apply:os.system [echo]\n", "is not plain YAML"),
+    ]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse(["--config", str(bad)])

@@ -31,6 +31,10 @@ class RunConfig:
     seed: int = 0
     """Seed of everything: data order, sampling, init of built-in models."""
 
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
+
 
 @dataclass(kw_only=True)
 class DataConfig:

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import sys
+import traceback
 from typing import Any
 
 
@@ -42,5 +43,14 @@ def _load_file(path: str, spec: str, what: str) -> Any:
     assert file_spec is not None and file_spec.loader is not None
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[module_name] = module  # dataclasses and pickling inside the file look themselves up here
-    file_spec.loader.exec_module(module)
+    try:
+        file_spec.loader.exec_module(module)
+    except SyntaxError as error:
+        del sys.modules[module_name]
+        raise ValueError(f"{what} '{spec}': {path}:{error.lineno}: SyntaxError: {error.msg}") from None
+    except Exception as error:  # the user's module raised on import: name its own line, not ours
+        del sys.modules[module_name]
+        line = next((f.lineno for f in reversed(traceback.extract_tb(error.__traceback__)) if f.filename == file_spec.origin), "?")
+        message = " ".join(str(error).split())
+        raise ValueError(f"{what} '{spec}': {path}:{line}: importing it raised {type(error).__name__}: {message}") from None
     return module

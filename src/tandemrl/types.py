@@ -189,15 +189,22 @@ class Rollout:
 
 @dataclass(kw_only=True, slots=True)
 class Group:
-    """G rollouts of one example. `advantages` is written by the group-relative advantage step."""
+    """G rollouts of one example. `advantages` is written by the group-relative advantage step; `error`
+    (why its rollouts failed, none kept) by the group runner."""
 
     example: Example
     rollouts: list[Rollout]
     advantages: list[float] = field(default_factory=list)  # [G]
+    error: str = ""
 
     @property
     def rewards(self) -> list[float]:
         return [r.reward for r in self.rollouts]
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (every rollout of a step failed, a weight push failed); the message says why.
+    `tandem` prints it as one line and exits 1."""
 
 
 @dataclass(kw_only=True, slots=True)

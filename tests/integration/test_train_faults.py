@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,3 +146,69 @@ def test_a_reward_that_swallows_ctrl_c_still_ends_within_the_grace_and_a_second_
         elapsed = time.monotonic() - started
         assert proc.returncode == 130 and "interrupted" in stderr, stderr[-3000:]
         assert elapsed < (15 if signals == 1 else 2), elapsed
+
+
+def _bad_input(case: str, tmp_path: Path, tiny_model_dir: str) -> list[str]:
+    """The arguments of one kind of bad input; each must end in one line and exit 2, before training."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hello"}\n' * 4)
+    base = ["--model", tiny_model_dir, "--dataset", str(data), "--reward_funcs", "length", "--output_dir", str(tmp_path / "run"), "--max_steps", "1", *TINY]
+    config = tmp_path / "run.yaml"
+    match case:
+        case "truncated_weights":
+            broken = shutil.copytree(tiny_model_dir, tmp_path / "model")
+            weights = broken / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+            return [*base, "--model", str(broken)]
+        case "reward_syntax_error":
+            return [*base, "--reward_funcs", reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    return [\n")]
+        case "reward_raises_on_import":
+            return [*base, "--reward_funcs", reward_file(tmp_path, "import math\n\nSCALE = 1 / 0\n")]
+        case "malformed_yaml" | "unsafe_yaml_tag" | "yaml_wrong_type":
+            text = {"malformed_yaml": "learning_rate: [1\n", "unsafe_yaml_tag": "model: !!python/object/apply:os.system [echo]\n",
+                    "yaml_wrong_type": "learning_rate: fast\n"}[case]
+            config.write_text(text)
+            return ["--config", str(config), *base]
+        case "output_dir_is_a_file":
+            (tmp_path / "file").write_text("x")
+            return [*base, "--output_dir", str(tmp_path / "file")]
+        case "zero_max_steps":
+            return [*base, "--max_steps", "0"]
+        case "negative_save_steps":
+            return [*base, "--save_steps", "-1"]
+        case "empty_prompt":
+            data.write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
+            return base
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("truncated_weights", "truncated or corrupt"), ("reward_syntax_error", "myrewards.py:2: SyntaxError"),
+        ("reward_raises_on_import", "myrewards.py:3: importing it raised ZeroDivisionError"), ("malformed_yaml", "is not plain YAML"),
+        ("unsafe_yaml_tag", "is not plain YAML"), ("yaml_wrong_type", "setting learning_rate: 'fast' is not a number"),
+        ("output_dir_is_a_file", "is a file"), ("zero_max_steps", "--max_steps must be >= 1"),
+        ("negative_save_steps", "--save_steps and --save_total_limit must be >= 0"), ("empty_prompt", "prompt of row 1 of dataset"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, case, expected):
+    result = tandem("train", *_bad_input(case, tmp_path, tiny_model_dir))
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = error_lines(result)
+    assert expected in line, line
+
+
+def test_runs_started_together_get_their_own_directories_and_a_failed_run_leaves_latest_alone(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = [sys.executable, "-m", "tandemrl", "train", "--max_steps", "1", *TINY]
+    procs = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert all(p.wait(300) == 0 for p in procs), [p.stderr.read()[-2000:] for p in procs]
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and all(len(metrics(r)) == 1 for r in runs)
+    latest = (tmp_path / "runs" / "latest").resolve()
+    rewards = reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    raise RuntimeError('broken')\n")
+    failed = subprocess.run([*args, "--reward_funcs", rewards], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and (tmp_path / "runs" / "latest").resolve() == latest
+    again = tandem("train", "--output_dir", str(runs[0]), "--max_steps", "1", *TINY)
+    assert again.returncode == 2 and "already holds a run; pass --resume" in again.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -81,6 +82,7 @@ def run(config: TrainConfig) -> Path:
     finally:
         parts.progress.close()
         parts.logger.close()
+        _point_latest(run_dir)
     return run_dir
 
 
@@ -125,16 +127,34 @@ def _peak_memory_gb(device: torch.device) -> Any:
 
 
 def _run_dir(config: TrainConfig) -> Path:
-    if config.checkpoint.output_dir:
-        run_dir = Path(config.checkpoint.output_dir)
-    else:
-        run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """--output_dir (never one holding another run, unless --resume), else a new runs/<date-time>[-N]."""
+    c = config.checkpoint
+    if c.output_dir:
+        run_dir = Path(c.output_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ValueError(f"--output_dir {run_dir} is a file; pass a directory (it is created if missing)")
+        if not c.resume and ((run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None):
+            raise ValueError(f"--output_dir {run_dir} already holds a run; pass --resume to continue it, or another --output_dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count():
+        run_dir = Path("runs") / (f"{stamp}-{n}" if n else stamp)
+        try:
+            run_dir.mkdir(parents=True)  # fails if it exists: two runs started in one second get two directories
+            return run_dir
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def _point_latest(run_dir: Path) -> None:
+    """runs/latest -> run_dir, once the run has logged a step (a run that failed before keeps the old one)."""
+    metrics = run_dir / "metrics.jsonl"
     latest = run_dir.parent / "latest"
-    if latest.is_symlink() or not latest.exists():
+    if metrics.exists() and metrics.stat().st_size and (latest.is_symlink() or not latest.exists()):
         latest.unlink(missing_ok=True)
         latest.symlink_to(run_dir.resolve(), target_is_directory=True)
-    return run_dir
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:

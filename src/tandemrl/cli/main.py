@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandemrl.types import RunStopped
+
 from tandemrl.cli.args import did_you_mean
 
 COMMANDS = {
@@ -35,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return module.main(argv[1:])
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # OSError: a path that cannot be written, a server that cannot be reached
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 2
+    except RunStopped as error:
+        print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
         return 130

@@ -47,6 +47,7 @@ def load_tokenizer(name: str) -> Any:
 
 
 def load_model(name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     _check_source(name)
@@ -54,4 +55,6 @@ def load_model(name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=dtype, attn_implementation="sdpa")
     except OSError as error:
         raise FileNotFoundError(f"cannot load a causal LM from {name!r}: {str(error).splitlines()[0]}") from None
+    except SafetensorError as error:  # a truncated or corrupt weights file
+        raise ValueError(f"cannot read the weights of {name!r} ({error}); the file is truncated or corrupt: copy or download it again") from None
     return model.to(device)

@@ -30,7 +30,7 @@ from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import MultiTurn, conversation_of
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import Batch, Example, Group, RolloutStatus, SamplingParams
+from tandemrl.types import Batch, Example, Group, RolloutStatus, RunStopped, SamplingParams
 from tandemrl.weights.base import WeightSync
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
         for p, i in enumerate(indices)
     ))
     t1 = time.perf_counter()
+    if all(g.error for g in groups):  # the generator is broken (a server died or froze): stop, do not train on nothing
+        raise RunStopped(f"step {step + 1}: every rollout group failed, the first with {groups[0].error}")
     parts.progress.phase("reward")
     scored = [g for g in groups if not failed(g)]
     num_timeouts = 0
@@ -205,7 +207,10 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
     if not unchanged:
-        await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+        try:
+            await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+        except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
+            raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
     return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
 
 

@@ -29,9 +29,11 @@ async def play_group(
     ]
     try:
         rollouts = await asyncio.gather(*plays)
-    except Exception:  # noqa: BLE001 - one of the two broad excepts: a failed group is data, not a crash
-        log.exception("rollout group of example %d failed; it will not be trained", example.index)
-        return Group(example=example, rollouts=[], advantages=[])
+    except Exception as error:  # noqa: BLE001 - one of the two broad excepts: a failed group is data, not a crash
+        # an unreachable or silent server is one line (the run stops on it); anything else keeps its traceback
+        unreachable = isinstance(error, (ConnectionError, TimeoutError))
+        log.error("rollout group of example %d failed (%s); it will not be trained", example.index, error, exc_info=not unreachable)
+        return Group(example=example, rollouts=[], advantages=[], error=f"{type(error).__name__}: {error}")
     return Group(example=example, rollouts=list(rollouts))
 
 

@@ -68,3 +68,7 @@ class CheckpointConfig:
     """Keep at most this many checkpoints (oldest deleted first; 0 = keep all)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in --output_dir."""
+
+    def __post_init__(self) -> None:
+        if self.save_steps < 0 or self.save_total_limit < 0:
+            raise ValueError(f"--save_steps and --save_total_limit must be >= 0 (0 = only at the end / keep all), got {self.save_steps}, {self.save_total_limit}")

@@ -29,3 +29,30 @@ def test_training_through_a_rollout_server_keeps_versions_in_step(tiny_model_dir
         assert server.get("/ready").json()["policy_version"] == 3
     finally:
         server.stop()
+
+
+def test_a_rollout_server_that_dies_mid_training_ends_the_run_with_one_line(tiny_model_dir, tmp_path):
+    import time
+
+    server = start_server(tiny_model_dir, backend="engine")
+    args = [
+        sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--rollout_mode", "server",
+        "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "20",
+        "--output_dir", str(tmp_path), "--max_steps", "500", "--num_prompts_per_step", "2", "--num_generations", "2",
+        "--max_completion_length", "4", "--max_prompt_length", "64",
+    ]
+    trainer = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
+            time.sleep(0.2)
+        server.kill()
+        _, stderr = trainer.communicate(timeout=120)
+        assert trainer.returncode == 1, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+        errors = [line for line in stderr.splitlines() if line.startswith("tandem train: error")]
+        assert len(errors) == 1 and server.url.split("//")[1] in errors[0], stderr[-3000:]
+    finally:
+        trainer.kill()
+        server.stop()

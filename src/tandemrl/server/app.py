@@ -49,7 +49,9 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         beat = asyncio.create_task(service.heartbeat(heartbeat_s)) if heartbeat_s > 0 else None
+        expiry = asyncio.create_task(service.expire_results())
         yield
+        expiry.cancel()
         if beat is not None:
             beat.cancel()
         await service.generator.close()
@@ -88,7 +90,7 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
     """tandem's own API: generate (blocking or async), collect by id, abort by id."""
 
     @app.post("/generate", response_model=GenerateResponse, summary="Sample n completions of one prompt")
-    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse | Response:
         messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
         prompt_ids = await prompter.encode_off_loop(prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages)
         params = to_sampling_params(body)
@@ -96,7 +98,8 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
         if body.is_async:
             return GenerateResponse(request_ids=service.submit(prompt_ids, params, body.n))
         tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for p in per_sample(params, body.n)]
-        await until_done_or_disconnect(request, asyncio.gather(*tasks, return_exceptions=True))
+        if await until_done_or_disconnect(request, asyncio.gather(*tasks, return_exceptions=True)) is None:
+            return Response(status_code=499)  # the client hung up (nginx's code): its tasks are cancelled, nobody reads them
         results = [service.result(uuid.uuid4().hex, task) for task in tasks]
         errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
         for error in errors:

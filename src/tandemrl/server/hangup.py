@@ -21,7 +21,15 @@ async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | 
         watch.cancel()
         if not work_task.done():
             work_task.cancel()
-    return None if work_task.cancelled() else work_task.result()
+            work_task.add_done_callback(_retrieve)  # nobody awaits it now: its CancelledError is not an error
+    if not work_task.done() or work_task.cancelled():  # the client hung up; a cancelled task is done a moment later
+        return None
+    return work_task.result()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _disconnected(request: Request) -> None:

@@ -57,6 +57,7 @@ class RolloutService:
         self._entries: dict[str, _Entry] = {}
         self._update_lock = asyncio.Lock()
         self.metrics = ServerMetrics(self)
+        self._num_in_flight = 0  # generations started and not finished, admitted or not (async ones included)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -69,11 +70,16 @@ class RolloutService:
         """One completion through the gate. Cancelling it aborts the generation (the engine frees it).
         `on_token` is passed to a generator that streams tokens, and ignored by one that does not."""
         self.check_capacity(1)
-        return await self._generate(prompt_ids, params, on_token if self.streams_tokens else None)
+        self._num_in_flight += 1
+        try:
+            return await self._generate(prompt_ids, params, on_token if self.streams_tokens else None)
+        finally:
+            self._num_in_flight -= 1
 
     def check_capacity(self, num_requests: int) -> None:
-        """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests."""
-        if self.gate.num_queued + self.gate.num_running + num_requests > self.max_pending_requests:
+        """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests; every
+        kind of request counts (blocking, batch and async ones: an async one used to bypass the limit)."""
+        if self._num_in_flight + num_requests > self.max_pending_requests:
             raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None) -> Completion:
@@ -121,9 +127,19 @@ class RolloutService:
         for request_id, prompt_ids, params in items:
             if request_id in self._entries:
                 self._entries[request_id].task.cancel()
-            tasks[request_id] = asyncio.create_task(self._generate(prompt_ids, params))
+            tasks[request_id] = self._start(self._generate(prompt_ids, params))
             self._entries[request_id] = _Entry(tasks[request_id])
         return tasks
+
+    def _start(self, generation: Any) -> asyncio.Task:
+        """A task of `generation`, counted in flight until it is done (cancelled before it ran included)."""
+        self._num_in_flight += 1
+        task = asyncio.create_task(generation)
+        task.add_done_callback(self._one_done)
+        return task
+
+    def _one_done(self, _: asyncio.Task) -> None:
+        self._num_in_flight -= 1
 
     def forget(self, tasks: dict[str, asyncio.Task]) -> None:
         """Drops the ids of a finished batch, unless a later batch took them over."""
@@ -133,11 +149,12 @@ class RolloutService:
                 del self._entries[request_id]
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[str]:
-        """Starts `n` samples; returns their request ids at once."""
+        """Starts `n` samples, or none (Busy); returns their request ids at once."""
         self._forget_expired()
+        self.check_capacity(n)
         ids = [uuid.uuid4().hex for _ in range(n)]
         for request_id, sample_params in zip(ids, per_sample(params, n)):
-            task = asyncio.create_task(self.generate(prompt_ids, sample_params))
+            task = self._start(self._generate(prompt_ids, sample_params))
             entry = self._entries[request_id] = _Entry(task)
             task.add_done_callback(lambda _, e=entry: setattr(e, "finished_at", time.monotonic()))
         return ids
@@ -178,6 +195,12 @@ class RolloutService:
             request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions,
             top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,
         )  # fmt: skip
+
+    async def expire_results(self) -> None:
+        """Forever: forgets uncollected results past result_ttl_s (they piled up until the next submit)."""
+        while True:
+            await asyncio.sleep(min(self.result_ttl_s / 2, 30.0))
+            self._forget_expired()
 
     def _forget_expired(self) -> None:
         horizon = time.monotonic() - self.result_ttl_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 from rollout_helpers import (
     GREEDY,
@@ -64,3 +65,37 @@ def test_kill_trainer_mid_sync_server_logs_it_keeps_its_version_and_serves(tiny_
         kill_trainer_mid_sync_then_check_server(server, tiny_tokenizer, tiny_model_dir)  # deadline: weight_sync_timeout_s, 30 s
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir):
+    s = start_server(tiny_model_dir, "--max_pending_requests", "4", "--result_ttl_s", "1", backend="engine")
+    yield s
+    s.stop()
+
+
+def test_async_requests_are_admitted_by_the_pending_limit_and_uncollected_results_expire_on_a_timer(small_server):
+    body = {"prompt": "async", "max_tokens": 100, "ignore_eos": True, "is_async": True}
+    assert small_server.post("/generate", {**body, "n": 5}).status_code == 503  # more than the limit at once
+    ids = small_server.post("/generate", {**body, "n": 4}).json()["request_ids"]
+    assert small_server.post("/generate", {**body, "n": 1}).status_code == 503  # the four still count
+    results = small_server.post("/collect", {"request_ids": ids, "timeout_s": 120}).json()["results"]
+    assert [r["finish_reason"] for r in results] == ["length"] * 4
+    ids = small_server.post("/generate", {**body, "max_tokens": 2}).json()["request_ids"]
+    time.sleep(4)  # past the TTL, with no later submit to sweep it
+    held = [line.split()[1] for line in small_server.get("/metrics").text.splitlines() if line.startswith("tandem_async_results_held ")]
+    assert [float(v) for v in held] == [0.0]
+    assert small_server.post("/collect", {"request_ids": ids, "timeout_s": 0}).status_code == 404
+
+
+def test_a_client_that_hangs_up_on_a_blocking_request_leaves_no_traceback(small_server):
+    hung_up = 0
+    for timeout_s in (0.05, 0.1, 0.2):  # hang up mid-generation (one of them, however fast the engine is)
+        try:
+            httpx.post(small_server.url + "/generate", json={"prompt": "long", "max_tokens": 120, "ignore_eos": True, "n": 4}, timeout=timeout_s)
+        except httpx.TimeoutException:
+            hung_up += 1
+    assert hung_up
+    time.sleep(2)
+    assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
+    assert "Traceback" not in small_server.log_text() and "InvalidStateError" not in small_server.log_text()

@@ -11,11 +11,11 @@ reward function (an `async def` that calls a Generator), loaded and scored like 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import numbers
 import os
-import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
+from tandemrl.threads import in_daemon_thread
 
 class RewardTimeoutError(TimeoutError):
     """A reward function did not return within its deadline; the groups it was scoring are not trained."""
@@ -110,7 +111,7 @@ async def _call(
             if inspect.iscoroutinefunction(func.fn):
                 result = await func.fn(prompts, completions, **columns)
             else:
-                result = await _in_daemon_thread(func, prompts, completions, **columns)
+                result = await in_daemon_thread(functools.partial(func.fn, prompts, completions, **columns), name=f"reward-{func.name}")
                 if inspect.isawaitable(result):
                     result = await result
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
@@ -137,30 +138,6 @@ def user_frame(error: BaseException, fn: Any) -> str:
         return ""
     path = os.path.relpath(frames[-1].filename) if frames[-1].filename.startswith(os.getcwd() + os.sep) else frames[-1].filename
     return f" at {path}:{frames[-1].lineno}"
-
-
-def _in_daemon_thread(func: RewardFunc, *args: Any, **kwargs: Any) -> asyncio.Future:
-    """`func.fn(*args, **kwargs)` in a daemon thread of its own, not the loop's executor: a call past its
-    deadline is abandoned there, and neither the loop's shutdown nor the interpreter's exit waits for it."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(error: BaseException | None, result: Any) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def work() -> None:
-        try:
-            outcome: tuple[BaseException | None, Any] = (None, func.fn(*args, **kwargs))
-        except Exception as error:  # noqa: BLE001 - handed to the awaiting task, which names the function
-            outcome = (error, None)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop has closed: nobody waits for this call any more
-            pass
-
-    threading.Thread(target=work, name=f"reward-{func.name}", daemon=True).start()
-    return future
 
 
 def _check_values(name: str, result: Any, expected: int) -> list[float | None]:

@@ -9,6 +9,7 @@ sync keeps the previous version and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -20,10 +21,13 @@ from tandemrl.generation.base import LocalGenerator
 from tandemrl.server.gate import Busy, Gate
 from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
+from tandemrl.threads import in_daemon_thread
 from tandemrl.types import Completion, SamplingParams
 from tandemrl.weights.group import WeightReceiver
 
 log = logging.getLogger(__name__)
+JOIN_SLACK_S = 5.0  # past the group's own timeout, the server stops waiting for torch's rendezvous
+
 
 
 @dataclass
@@ -214,7 +218,18 @@ class RolloutService:
         if self.receiver is None:
             raise ValueError("this server has no weight receiver")
         async with self._update_lock:
-            await asyncio.to_thread(self.receiver.join, spec)
+            self.receiver.close()
+            # every step of the rendezvous has the deadline, whatever torch does with a silent peer: the
+            # wait is bounded here, and a connect left behind (in a daemon thread) is dropped when it ends
+            connect = in_daemon_thread(functools.partial(self.receiver.connect, spec), name="weight-sync-join")
+            try:
+                group = await asyncio.wait_for(connect, spec["timeout_s"] + JOIN_SLACK_S)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no weight-sync group at {spec['master_addr']}:{spec['master_port']} within {spec['timeout_s']:g} s "
+                    "(the peer is silent or gone)"
+                ) from None
+            self.receiver.adopt(spec["group_id"], group)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
 
     async def update_weights(self, *, version: int, mode: str) -> tuple[int, int, float]:

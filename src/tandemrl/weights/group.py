@@ -194,13 +194,20 @@ class WeightReceiver:
     def join(self, spec: dict[str, Any]) -> None:
         """Blocks until the trainer and every other server joined (or the deadline passed)."""
         self.close()
+        self.adopt(spec["group_id"], self.connect(spec))
+
+    def connect(self, spec: dict[str, Any]) -> _Group:
+        """The group of `spec`, formed (blocking); not yet this receiver's. The caller bounds the wait:
+        a peer that accepts the connection and never speaks holds some of torch's steps past their timeout."""
         timeout = timedelta(seconds=spec["timeout_s"])
         client = dist.TCPStore(spec["master_addr"], spec["master_port"], None, False, timeout)
         store = dist.PrefixStore(f"tandem/{spec['group_id']}", client)
-        self._group = _Group(
+        return _Group(
             store, rank=spec["rank"], world_size=spec["world_size"], transport=spec["transport"], timeout_s=spec["timeout_s"], device=self.device
         )
-        self.group_id = spec["group_id"]
+
+    def adopt(self, group_id: str, group: _Group) -> None:
+        self._group, self.group_id = group, group_id
 
     def receive(self) -> Named:
         """Every tensor of one update, staged apart from the live weights. On any failure the group is

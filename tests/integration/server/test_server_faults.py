@@ -3,6 +3,9 @@ trainer mid-sync. Nothing hangs; errors are clear; a server keeps its version an
 
 from __future__ import annotations
 
+import datetime
+import socket
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -99,3 +102,34 @@ def test_a_client_that_hangs_up_on_a_blocking_request_leaves_no_traceback(small_
     time.sleep(2)
     assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
     assert "Traceback" not in small_server.log_text() and "InvalidStateError" not in small_server.log_text()
+
+
+def _silent_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A peer that accepts every connection and never says a word."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+    return listener, accepted
+
+
+@pytest.mark.parametrize("peer", ["silent_socket", "store_without_a_group"])
+def test_weights_init_keeps_its_deadline_against_a_silent_peer_and_blocks_nothing(small_server, peer):
+    """Each rendezvous step: the connection (a peer that accepts and never speaks) and the group (a store
+    that answers, and a trainer that never forms the group). 504 within the deadline, routes free after."""
+    import torch.distributed as dist
+
+    if peer == "silent_socket":
+        listener, _ = _silent_listener()
+        port, keep = listener.getsockname()[1], listener
+    else:
+        keep = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+        port = keep.port
+    spec = {"master_addr": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2, "transport": "gloo", "group_id": peer, "timeout_s": 2}
+    started = time.monotonic()
+    answer = httpx.post(small_server.url + "/weights/init", json=spec, timeout=60)
+    assert answer.status_code == 504 and time.monotonic() - started < 2 + 10, (answer.status_code, answer.text)
+    for path in ("/sleep", "/wake"):  # the update lock is free again
+        assert small_server.post(path, {}).status_code == 200
+    assert small_server.get("/ready").json()["weight_group"] is None
+    assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
+    del keep

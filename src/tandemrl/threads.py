@@ -1,0 +1,32 @@
+"""Blocking calls with a deadline: a call that may never return (a user's reward, torch's rendezvous with
+a silent peer) runs in a daemon thread of its own, so the awaiting side can stop waiting, and neither the
+event loop's shutdown nor the interpreter's exit waits for what was left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
+    """A future of `call()`, run in a daemon thread named `name`; bound the wait with asyncio.timeout."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(error: BaseException | None, result: Any) -> None:
+        if not future.done():  # else the waiter gave up: the late outcome is dropped
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def work() -> None:
+        try:
+            outcome: tuple[BaseException | None, Any] = (None, call())
+        except Exception as error:  # noqa: BLE001 - handed to the awaiting task
+            outcome = (error, None)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future

@@ -18,7 +18,7 @@ from tandemrl.cli.args import dump_yaml
 from tandemrl.config import TrainConfig
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
-from tandemrl.data.sampler import PromptCursor
+from tandemrl.data.cursor import PromptCursor
 from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop

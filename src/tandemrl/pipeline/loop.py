@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandemrl.algo.advantage import group_relative_advantages, zero_variance_groups
-from tandemrl.data.sampler import PromptCursor
+from tandemrl.data.cursor import PromptCursor
 from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
 from tandemrl.logging.metrics import MetricsLogger

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandemrl.data.sampler import PromptCursor
+from tandemrl.data.cursor import PromptCursor
 
 
 def test_each_epoch_is_a_permutation_reshuffled_per_epoch() -> None:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
+from tandemrl.generation.base import EngineSettings
 from tandemrl.rewards.judge import JudgeConfig
 from tandemrl.rollout.env import ToolsConfig
 from tandemrl.train.config import CheckpointConfig, TrainerConfig
@@ -80,8 +81,6 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     min_p: float = _SAMPLING.min_p
     """Min-p sampling (0 = off)."""
-    gpu_memory_utilization: float = 0.4
-    """Colocate: fraction of GPU memory the engine may use for its weights and KV cache."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
 
@@ -138,7 +137,7 @@ class LogConfig:
 SECRETS = ("api_key",)  # flags never written to the run directory, a metrics sink or --print_config
 
 LEAVES = (
-    RunConfig, DataConfig, RolloutConfig, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
+    RunConfig, DataConfig, RolloutConfig, EngineSettings, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
     LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig,
 )
 
@@ -150,6 +149,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

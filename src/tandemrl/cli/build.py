@@ -4,6 +4,7 @@ heavy imports here never slow `--help`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -16,9 +17,9 @@ import torch
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
 from tandemrl.config import TrainConfig
+from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
-from tandemrl.data.cursor import PromptCursor
 from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
@@ -265,14 +266,17 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device
     if r.generator == "engine":  # sized for this run: one step's sequences, each as long as it may get
-        max_model_len = config.data.max_prompt_length + config.algo.max_completion_length
+        e = config.engine
+        wanted = config.data.max_prompt_length + config.algo.max_completion_length
         if config.tools.enabled:
-            max_model_len = max(max_model_len, config.tools.max_total_tokens)
-        max_num_seqs = min(EngineConfig.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations)
-        backend: EngineConfig | HFConfig = EngineConfig(
-            device=device, seed=config.run.seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-        )  # fmt: skip
+            wanted = max(wanted, config.tools.max_total_tokens)
+        sized = dataclasses.replace(
+            e,
+            max_model_len=e.model_len(max_positions=None, wanted=wanted),
+            max_num_seqs=min(e.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations),
+            gpu_memory_utilization=e.memory_fraction(colocated=True),
+        )
+        backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=device, seed=config.run.seed)
     else:
         backend = HFConfig(device=device)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)

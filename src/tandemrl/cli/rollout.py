@@ -13,51 +13,59 @@ from typing import Any
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, load_yaml
+from tandemrl.generation.base import EngineConfig
 from tandemrl.server.config import RolloutServerConfig
 
 
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="tandem rollout", usage="tandem rollout --model MODEL [--FLAG VALUE ...]", description="Serve a model for rollouts over HTTP, with versioned weight sync.")
-    parser.add_argument("--config", metavar="YAML", help="YAML file of flag defaults; flags override it")
-    add_config_args(parser, RolloutServerConfig, title="Server")
-    args = vars(parser.parse_args(argv))
-    config_path = args.pop("config", None)
-    values: dict[str, Any] = load_yaml(config_path) if config_path else {}
-    check_known(values, [RolloutServerConfig], config_path or "", command="rollout")
-    config = build_config(RolloutServerConfig, {**values, **args})
+    config, engine = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    serve(config)
+    serve(config, engine)
     return 0
 
 
-def serve(config: RolloutServerConfig) -> None:
+def parse(argv: list[str]) -> tuple[RolloutServerConfig, EngineConfig]:
+    """The server's leaf and the engine's (the same engine leaf `tandem train` has): yaml < flags."""
+    parser = ArgumentParser(prog="tandem rollout", usage="tandem rollout --model MODEL [--FLAG VALUE ...]", description="Serve a model for rollouts over HTTP, with versioned weight sync.")
+    parser.add_argument("--config", metavar="YAML", help="YAML file of flag defaults; flags override it")
+    add_config_args(parser, RolloutServerConfig, title="Server")
+    add_config_args(parser, EngineConfig, title="Model and engine")
+    args = vars(parser.parse_args(argv))
+    config_path = args.pop("config", None)
+    values: dict[str, Any] = {**(load_yaml(config_path) if config_path else {})}
+    check_known(values, [RolloutServerConfig, EngineConfig], config_path or "", command="rollout")
+    values.update(args)
+    return build_config(RolloutServerConfig, values), build_config(EngineConfig, values)
+
+
+def serve(config: RolloutServerConfig, engine: EngineConfig) -> None:
     import uvicorn
 
     from tandemrl.server.build import build_server
 
-    model, tokenizer = _built_in(config)
-    app = build_server(config, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0, model=model, tokenizer=tokenizer)
+    model, tokenizer = _built_in(engine)
+    app = build_server(config, engine, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0, model=model, tokenizer=tokenizer)
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    print(f"tandem rollout: serving {config.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
+    print(f"tandem rollout: serving {engine.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, access_log=False))
     with frozen_heap():
         server.run(sockets=[sock])
 
 
-def _built_in(config: RolloutServerConfig) -> tuple[Any, Any]:
+def _built_in(engine: EngineConfig) -> tuple[Any, Any]:
     """(model, tokenizer) of `--model tandem:tiny`, built in code as `tandem train` builds it (seed 0), so a
     server can be tried offline and trained against; (None, None) for any other model, which is loaded."""
     from tandemrl.tasks.synthetic import TINY_MODEL
 
-    if config.model != TINY_MODEL:
+    if engine.model != TINY_MODEL:
         return None, None
     from tandemrl.generation.loading import resolve_device
     from tandemrl.tasks.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
-    return build_model(tokenizer, seed=0).to(resolve_device(config.device)), tokenizer
+    return build_model(tokenizer, seed=0).to(resolve_device(engine.device)), tokenizer
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -23,6 +23,7 @@ TITLES = {
     "RunConfig": "Task and model",
     "DataConfig": "Data",
     "RolloutConfig": "Generation",
+    "EngineSettings": "Engine (--generator engine)",
     "RewardConfig": "Rewards",
     "AlgoConfig": "Algorithm",
     "TrainerConfig": "Optimizer and training",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tandemrl.types import Completion, SamplingParams
 
@@ -59,36 +59,33 @@ class HFConfig:
     """Most requests batched into one generate call."""
 
 
-@dataclass(kw_only=True)
-class EngineConfig:
-    """Our engine: paged KV cache, continuous batching, prefix sharing, CUDA-graph decode."""
+DEFAULT_MAX_MODEL_LEN = 4096
 
-    model: str = ""
-    """Model id or local directory (ignored when the trainer hands its model in colocate mode)."""
-    dtype: str = "auto"
-    """Weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
-    device: str = "auto"
-    """Device: auto (cuda if present), cpu or cuda."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory the engine may use (weights + KV cache); the KV cache never takes more than
-    max_num_seqs sequences of max_model_len tokens can use."""
+
+@dataclass(kw_only=True)
+class EngineSettings:
+    """The engine's settings: the same flags in `tandem train` (the colocated engine) and `tandem rollout`."""
+
+    gpu_memory_utilization: float = 0.0
+    """Fraction of GPU memory the engine may use (weights + KV cache); 0 = 0.4 when it shares the GPU with
+    the trainer (tandem train), 0.9 alone (tandem rollout). The KV cache never takes more than max_num_seqs
+    sequences of max_model_len tokens can use."""
     kv_cache_tokens: int = 65536
     """KV cache size in tokens on CPU (on GPU it is sized from --gpu_memory_utilization); at most
     max_num_seqs x max_model_len either way."""
-    max_model_len: int = 4096
-    """Longest prompt + completion a request may have."""
+    max_model_len: int = 0
+    """Longest prompt + completion a request may have; 0 = --max_prompt_length + --max_completion_length in
+    tandem train, 4096 in tandem rollout; never past the model's positions."""
     block_size: int = 16
     """Tokens per KV cache block."""
     max_num_seqs: int = 512
-    """Most sequences decoded together."""
+    """Most sequences decoded together (tandem train: at most one step's, --num_prompts_per_step x --num_generations)."""
     max_num_batched_tokens: int = 16384
     """Most tokens prefilled in one engine step."""
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
     tensor_parallel_size: int = 1
     """GPUs the engine shards its model over."""
-    seed: int = 0
-    """Seed of the engine's sampler for requests without their own seed."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -96,6 +93,31 @@ class EngineConfig:
                 "--tensor_parallel_size > 1: the engine does not shard a model yet; "
                 "run one rollout server per GPU (data parallel) instead"
             )
+
+    def memory_fraction(self, *, colocated: bool) -> float:
+        """The one default of --gpu_memory_utilization: less when the trainer shares the GPU."""
+        return self.gpu_memory_utilization or (0.4 if colocated else 0.9)
+
+    def model_len(self, *, max_positions: int | None, wanted: int = DEFAULT_MAX_MODEL_LEN) -> int:
+        """The one derivation of max_model_len: --max_model_len, else `wanted`, never past the model's
+        positions. Example: max_model_len 0, wanted 640, max_positions 512 -> 512."""
+        length = self.max_model_len or wanted
+        return min(length, max_positions) if max_positions else length
+
+
+@dataclass(kw_only=True)
+class EngineConfig(EngineSettings):
+    """Our engine: paged KV cache, continuous batching, prefix sharing, CUDA-graph decode. A model
+    source (ignored when the trainer hands its model in colocate mode) plus the engine's settings."""
+
+    model: str = ""
+    """Model id or local directory to serve (tandem rollout also takes tandem:tiny, the built-in tiny model)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Device: auto (cuda if present), cpu or cuda."""
+    seed: int = 0
+    """Seed of the engine's sampler for requests without their own seed."""
 
 
 @dataclass(kw_only=True)

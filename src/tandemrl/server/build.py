@@ -3,6 +3,7 @@ prompts, the weight receiver, and the app. The one place the server's backend is
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
@@ -15,34 +16,30 @@ from tandemrl.weights import ipc
 from tandemrl.weights.group import WeightReceiver
 
 
-def build_server(config: RolloutServerConfig, *, heartbeat_s: float = 0.0, model: Any = None, tokenizer: Any = None) -> Any:
-    """`model` and `tokenizer`, when given, are served instead of loading `config.model` (a model built in code)."""
+def build_server(config: RolloutServerConfig, engine: EngineConfig, *, heartbeat_s: float = 0.0, model: Any = None, tokenizer: Any = None) -> Any:
+    """`engine`: the served model and the engine's settings (its dtype and device serve hf too). `model` and
+    `tokenizer`, when given, are served instead of loading `engine.model` (a model built in code)."""
     from transformers import AutoConfig
 
     import torch
 
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-    text_config = (model.config if model is not None else AutoConfig.from_pretrained(config.model)).get_text_config()
-    max_model_len = min(config.max_model_len, getattr(text_config, "max_position_embeddings", config.max_model_len))
-    device = resolve_device(config.device)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.model)
+    text_config = (model.config if model is not None else AutoConfig.from_pretrained(engine.model)).get_text_config()
+    max_model_len = engine.model_len(max_positions=getattr(text_config, "max_position_embeddings", None))
+    device = resolve_device(engine.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     match config.backend:
         case "hf":
-            generator = build_generator(HFConfig(model=config.model, dtype=config.dtype, device=str(device)), model=model, tokenizer=tokenizer)
+            generator = build_generator(HFConfig(model=engine.model, dtype=engine.dtype, device=str(device)), model=model, tokenizer=tokenizer)
         case "engine":
-            engine_config = EngineConfig(
-                model=config.model,
-                dtype=config.dtype,
-                device=str(device),
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                max_model_len=max_model_len,
-                tensor_parallel_size=config.tensor_parallel_size,
+            sized = dataclasses.replace(
+                engine, device=str(device), max_model_len=max_model_len, gpu_memory_utilization=engine.memory_fraction(colocated=False)
             )
-            generator = build_generator(engine_config, model=model, tokenizer=tokenizer)
+            generator = build_generator(sized, model=model, tokenizer=tokenizer)
     service = RolloutService(
         generator,
-        model_name=config.served_model_name or config.model,
+        model_name=config.served_model_name or engine.model,
         max_model_len=max_model_len,
         max_pending_requests=config.max_pending_requests,
         result_ttl_s=config.result_ttl_s,

@@ -1,4 +1,5 @@
-"""The rollout server's leaf config: one `tandem rollout` flag per field.
+"""The rollout server's leaf config: one `tandem rollout` flag per field (the served model and the
+engine's settings are EngineConfig's, the same leaf `tandem train` sizes its colocated engine with).
 
 Invariant: a server bound to a non-loopback address has an API key, unless `--insecure` says otherwise.
 """
@@ -13,10 +14,8 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class RolloutServerConfig:
-    """How `tandem rollout` serves a model: backend, address, limits and the key."""
+    """How `tandem rollout` serves: backend, address, limits and the key."""
 
-    model: str = ""
-    """Model id or local directory to serve, or tandem:tiny (the built-in tiny model, nothing downloaded)."""
     backend: Literal["engine", "hf"] = "engine"
     """Generator behind the server: engine (ours) or hf (transformers generate, any architecture)."""
     host: str = "127.0.0.1"
@@ -27,16 +26,6 @@ class RolloutServerConfig:
     """Bearer token every route requires (default: env TANDEM_API_KEY; none = open, loopback only)."""
     insecure: bool = False
     """Allow a non-loopback bind without an API key."""
-    tensor_parallel_size: int = 1
-    """GPUs the engine shards the model over."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights + KV cache)."""
-    max_model_len: int = 4096
-    """Longest prompt + completion a request may have (capped by the model's positions)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype: auto, float32, bfloat16 or float16."""
-    device: str = "auto"
-    """Device: auto (cuda if present), cpu or cuda."""
     served_model_name: str = ""
     """Model name reported by /v1/models and OpenAI responses (default: --model)."""
     max_pending_requests: int = 4096
@@ -56,8 +45,6 @@ class RolloutServerConfig:
                 f"refusing to bind {self.host} without an API key; pass --api_key (or set TANDEM_API_KEY), "
                 "or --insecure to serve it open"
             )
-        if self.backend == "hf" and self.tensor_parallel_size != 1:
-            raise ValueError("--backend hf runs on one device; use --backend engine for --tensor_parallel_size > 1")
 
 
 def is_loopback(host: str) -> bool:

@@ -19,6 +19,8 @@ def test_non_loopback_needs_a_key_or_insecure(monkeypatch):
     assert RolloutServerConfig(host="0.0.0.0").api_key == "from-env"
 
 
-def test_hf_backend_refuses_tensor_parallel():
-    with pytest.raises(ValueError, match="--backend engine"):
-        RolloutServerConfig(backend="hf", tensor_parallel_size=2)
+def test_tensor_parallel_is_refused_until_the_engine_shards():
+    from tandemrl.generation.base import EngineConfig
+
+    with pytest.raises(ValueError, match="--tensor_parallel_size > 1"):
+        EngineConfig(tensor_parallel_size=2)

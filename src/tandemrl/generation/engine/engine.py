@@ -55,7 +55,7 @@ class Engine:
         if reason is not None:
             raise ValueError(f"{reason}; use the hf generator (--generator hf)")
         self.tokenizer = tokenizer if tokenizer is not None else (load_tokenizer(config.model) if config.model else None)
-        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
+        self.max_model_len = config.model_len(max_positions=getattr(hf_config, "max_position_embeddings", None))
         source = model if model is not None else config.model
         self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
@@ -340,7 +340,7 @@ class Engine:
         # head room for activations: the largest prefill, and logits + sampler buffers of a full decode batch
         hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
         activations = config.max_num_batched_tokens * hidden * 4 + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
-        budget = total * config.gpu_memory_utilization - (total - free - reusable) - activations
+        budget = total * config.memory_fraction(colocated=False) - (total - free - reusable) - activations
         num_blocks = int(budget // self.runner.bytes_per_block())
         if num_blocks < self.max_model_len // config.block_size + 2:
             raise ValueError(f"only {num_blocks} KV blocks fit; raise --gpu_memory_utilization or lower --max_model_len")

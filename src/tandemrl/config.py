@@ -60,7 +60,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class GenerationConfig:
     """How completions are produced: backend, placement and sampling."""
 
     generator: Literal["engine", "hf"] = "engine"
@@ -137,7 +137,7 @@ class LogConfig:
 SECRETS = ("api_key",)  # flags never written to the run directory, a metrics sink or --print_config
 
 LEAVES = (
-    RunConfig, DataConfig, RolloutConfig, EngineSettings, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
+    RunConfig, DataConfig, GenerationConfig, EngineSettings, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
     LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig,
 )
 
@@ -148,7 +148,7 @@ class TrainConfig:
 
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

@@ -52,7 +52,7 @@ def run(config: TrainConfig) -> Path:
     examples = _data(config, task)
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
-    trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.rollout.temperature)
+    trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     state = load_state(checkpoint) if checkpoint is not None else None
     if state is not None:
@@ -242,7 +242,7 @@ def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
     if j.reward_model:
         tokenizer = load_tokenizer(j.reward_model)
         if j.reward_model_url:
-            generator = build_generator(RemoteConfig(urls=(j.reward_model_url,), rollout_server_timeout=config.rollout.rollout_server_timeout))
+            generator = build_generator(RemoteConfig(urls=(j.reward_model_url,), rollout_server_timeout=config.generation.rollout_server_timeout))
         else:  # its own engine beside the policy's, in its own thread
             backend = EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=0.2)
             generator = build_generator(backend, tokenizer=tokenizer)
@@ -251,7 +251,7 @@ def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:
-    r = config.rollout
+    r = config.generation
     return SamplingParams(
         max_tokens=config.algo.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p
     )
@@ -259,7 +259,7 @@ def _sampling(config: TrainConfig) -> SamplingParams:
 
 def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any, Any]:
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator."""
-    r = config.rollout
+    r = config.generation
     if r.rollout_mode == "server":
         remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
         generator = build_generator(remote)
@@ -291,7 +291,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         scale_rewards=config.algo.scale_rewards,
         drop_zero_variance_groups=config.algo.drop_zero_variance_groups,
         seed=config.run.seed,
-        sleep_level=config.rollout.sleep_level,
+        sleep_level=config.generation.sleep_level,
         log_completions_steps=config.log.log_completions_steps,
         save_steps=config.checkpoint.save_steps,
         save_total_limit=config.checkpoint.save_total_limit,

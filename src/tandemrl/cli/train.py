@@ -22,7 +22,7 @@ from tandemrl.config import LEAVES, TrainConfig
 TITLES = {
     "RunConfig": "Task and model",
     "DataConfig": "Data",
-    "RolloutConfig": "Generation",
+    "GenerationConfig": "Generation",
     "EngineSettings": "Engine (--generator engine)",
     "RewardConfig": "Rewards",
     "AlgoConfig": "Algorithm",

@@ -46,10 +46,23 @@ MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when nev
 
 class Engine:
     def __init__(self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None) -> None:
+        """`model`/`tokenizer`: the trainer's, in colocate mode (else loaded from config.model)."""
         self.config = config
         self.version = 0
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self._load_model(model, tokenizer)
+        self._build_device_plane()
+        self._build_control_plane()
+        self._start_thread()
+
+    streams_tokens = True  # generate() takes on_token
+
+    # --- construction ----------------------------------------------------------------------------------
+    def _load_model(self, model: Any, tokenizer: Any) -> None:
+        """The tokenizer, its end-of-sequence ids, max_model_len and the inference model (from `model`'s
+        weights or config.model)."""
+        config = self.config
         hf_config = model.config if model is not None else load_hf_config(config.model)
         reason = unsupported_reason(hf_config)
         if reason is not None:
@@ -59,6 +72,10 @@ class Engine:
         source = model if model is not None else config.model
         self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
+
+    def _build_device_plane(self) -> None:
+        """The runner (forward, sampling, CUDA graphs) and the KV cache, sized by _num_kv_blocks."""
+        config = self.config
         self.runner = ModelRunner(
             self.model,
             block_size=config.block_size,
@@ -68,6 +85,10 @@ class Engine:
         )
         self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
         self.runner.allocate_kv_cache(len(self.blocks.blocks))
+
+    def _build_control_plane(self) -> None:
+        """The scheduler and the state the engine thread and the callers share."""
+        config = self.config
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=config.max_num_seqs,
@@ -91,6 +112,8 @@ class Engine:
         self._num_exclusive = 0
         self._sleeping = False
         self._closed = False
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 

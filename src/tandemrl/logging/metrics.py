@@ -18,6 +18,39 @@ from tandemrl.logging.sinks import build_sinks, flat_row
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
+# One naming scheme: `area/name` (reward/, completions/, rewards/<fn>/, train/, time/, rollout/, ...).
+# The figures TRL (and ms-swift) report under a bare name keep that name too, as an alias written beside
+# the area/name one, so a TRL user's dashboards read a tandem run as they read a TRL run. This map is
+# the one place the two names meet; an emitter may use either, the logger writes both.
+TRL_ALIASES: dict[str, str] = {  # area/name -> TRL's name
+    "reward/mean": "reward",
+    "reward/std": "reward_std",
+    "reward/frac_zero_std": "frac_reward_zero_std",
+    "train/loss": "loss",
+    "train/kl": "kl",
+    "train/entropy": "entropy",
+    "train/clip_ratio": "clip_ratio",
+    "train/grad_norm": "grad_norm",
+    "train/learning_rate": "learning_rate",
+    "train/policy_version": "policy_version",
+    "time/step": "step_time",
+}
+_AREA_NAME = {alias: name for name, alias in TRL_ALIASES.items()}
+
+
+def with_aliases(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Every figure under its area/name, and under TRL's name where TRL has one.
+
+    Example: {"reward": 0.5, "time/generate": 1.0} -> {"reward/mean": 0.5, "reward": 0.5, "time/generate": 1.0}
+    """
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        name = _AREA_NAME.get(name, name)
+        out[name] = value
+        if name in TRL_ALIASES:
+            out[TRL_ALIASES[name]] = value
+    return out
+
 
 def _json_value(value: Any) -> Any:
     """Plain JSON numbers: ints stay ints (policy_version), tensors and numpy scalars become floats."""
@@ -43,8 +76,8 @@ class MetricsLogger:
         self._completions_file = _open_append(self.run_dir / COMPLETIONS_FILE)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Example: log(3, {"reward": 0.5}) appends the line {"step": 3, "reward": 0.5}."""
-        row = {name: _json_value(value) for name, value in metrics.items()}
+        """Example: log(3, {"reward": 0.5}) appends the line {"step": 3, "reward/mean": 0.5, "reward": 0.5}."""
+        row = {name: _json_value(value) for name, value in with_aliases(metrics).items()}
         _write_line(self._metrics_file, {"step": step, **row})
         scalars = {name: float(value) for name, value in row.items() if isinstance(value, int | float)}
         for sink in self.sinks:

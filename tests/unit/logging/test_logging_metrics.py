@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from tandemrl.logging.metrics import MetricsLogger, read_metrics
+from tandemrl.logging.metrics import TRL_ALIASES, MetricsLogger, read_metrics, with_aliases
 
 
 def test_metrics_round_trip_keeps_ints_and_nan(tmp_path):
@@ -14,7 +14,7 @@ def test_metrics_round_trip_keeps_ints_and_nan(tmp_path):
         logger.log(2, {"reward": 0.5, "policy_version": 2, "kl": 0.01})
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2]
-    assert rows[1] == {"step": 2, "reward": 0.5, "policy_version": 2, "kl": 0.01}
+    assert rows[1] == {"step": 2, "reward/mean": 0.5, "reward": 0.5, "train/policy_version": 2, "policy_version": 2, "train/kl": 0.01, "kl": 0.01}
     assert isinstance(rows[0]["policy_version"], int) and math.isnan(rows[0]["kl"])
     first_line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     assert json.loads(first_line)["kl"] is None  # strict JSON: jq and pandas read it
@@ -22,9 +22,9 @@ def test_metrics_round_trip_keeps_ints_and_nan(tmp_path):
 
 def test_each_metrics_line_is_on_disk_before_close(tmp_path):
     logger = MetricsLogger(tmp_path, report_to=["none"], config={})
-    logger.log(1, {"reward": 1.0})
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "reward": 1.0}\n'
-    logger.log(2, {"reward": 0.0})
+    logger.log(1, {"time/train": 1.0})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "time/train": 1.0}\n'
+    logger.log(2, {"time/train": 0.0})
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     logger.close()
 
@@ -101,7 +101,7 @@ def test_wandb_sink_gets_config_metrics_table_and_finish(tmp_path, monkeypatch):
         logger.log(1, {"reward": 0.5, "policy_version": 1})
         logger.log_completions(1, [{"prompt": "a", "completion": "b", "reward": 0.5}])
     assert calls[0] == ("init", {"project": "p", "name": "r", "config": {"beta": 0.0}, "dir": str(tmp_path)})
-    assert calls[1] == ("log", 1, {"reward": 0.5, "policy_version": 1.0})
+    assert calls[1] == ("log", 1, {"reward/mean": 0.5, "reward": 0.5, "train/policy_version": 1.0, "policy_version": 1.0})
     assert calls[2] == ("log", 1, {"completions": ("table", ["prompt", "completion", "reward"], [["a", "b", 0.5]])})
     assert calls[3] == ("finish",)
 
@@ -109,3 +109,9 @@ def test_wandb_sink_gets_config_metrics_table_and_finish(tmp_path, monkeypatch):
 def test_read_metrics_of_missing_dir_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="tandem train"):
         read_metrics(tmp_path / "nope")
+
+
+def test_one_naming_scheme_with_trl_names_as_aliases():
+    assert with_aliases({"reward": 0.5, "time/generate": 1.0}) == {"reward/mean": 0.5, "reward": 0.5, "time/generate": 1.0}
+    assert with_aliases({"train/kl": 0.1}) == {"train/kl": 0.1, "kl": 0.1}  # either name in, both out
+    assert all("/" in name and "/" not in alias for name, alias in TRL_ALIASES.items())

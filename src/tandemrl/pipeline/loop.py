@@ -25,7 +25,7 @@ from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
 from tandemrl.logging.metrics import MetricsLogger
 from tandemrl.logging.progress import Progress
-from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, score
+from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState, score
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import MultiTurn, conversation_of
 from tandemrl.train.checkpoint import save_checkpoint
@@ -111,9 +111,10 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
     parts.progress.phase("reward")
     scored = [g for g in groups if not failed(g)]
     num_timeouts = 0
+    state = TrainerState(global_step=step, epoch=parts.cursor.num_taken / parts.cursor.num_examples, max_steps=settings.max_steps)
     try:
         num_nonfinite = await score_groups(
-            scored, parts.reward_funcs, parts.reward_weights, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
+            scored, parts.reward_funcs, parts.reward_weights, state, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
         )
     except RewardTimeoutError as error:  # its groups are not trained; the run goes on
         log.warning("%s; the %d groups it was scoring are not trained", error, len(scored))
@@ -124,7 +125,13 @@ async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: in
 
 
 async def score_groups(
-    groups: list[Group], funcs: list[RewardFunc], weights: list[float] | None, *, nonfinite: str = "error", timeout_s: float | None = None
+    groups: list[Group],
+    funcs: list[RewardFunc],
+    weights: list[float] | None,
+    state: TrainerState | None = None,
+    *,
+    nonfinite: str = "error",
+    timeout_s: float | None = None,
 ) -> int:
     """Writes each rollout's `rewards` and weighted `reward` (reward functions see whole batches).
     With nonfinite="skip", a group with a non-finite reward is marked failed; returns how many were."""
@@ -133,7 +140,11 @@ async def score_groups(
         return 0
     columns = {key: [r.example.columns[key] for r in rollouts] for key in rollouts[0].example.columns}
     prompts = [r.example.prompt for r in rollouts]
-    totals, values = await score(funcs, weights, prompts, [conversation_of(r) for r in rollouts], columns, nonfinite=nonfinite, timeout_s=timeout_s)
+    completions = [conversation_of(r) for r in rollouts]
+    ids = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
+    totals, values = await score(
+        funcs, weights, prompts, completions, columns, completion_ids=ids, trainer_state=state, nonfinite=nonfinite, timeout_s=timeout_s
+    )
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}

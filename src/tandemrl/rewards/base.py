@@ -33,8 +33,22 @@ USAGE = "use one of math_accuracy, format, length, or module:function / path/fil
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerState:
+    """What a reward function receives as `trainer_state` (the fields of TRL's TrainerState it reads).
+
+    global_step: optimizer steps done before the step being scored; epoch: passes over the data so far
+    (fractional); max_steps: the run's steps. Lets a reward shape itself by training progress.
+    """
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RewardFunc:
-    """A named reward function: `fn(prompts, completions, **columns) -> list[float | None]`, sync or async.
+    """A named reward function, called with keywords as TRL calls it, sync or async:
+    `fn(prompts=, completions=, completion_ids=, trainer_state=, **columns) -> list[float | None]`.
 
     `name` keys its metrics (`rewards/<name>`) and its entry in `Rollout.rewards`.
     """
@@ -62,16 +76,21 @@ async def score(
     funcs: list[RewardFunc],
     weights: list[float] | None,
     prompts: list[Any],
-    completions: list[str],
+    completions: list[Any],
     columns: dict[str, list[Any]],
     *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerState | None = None,
     nonfinite: str = "error",
     timeout_s: float | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
 
-    Async functions are awaited concurrently; sync ones run in worker threads meanwhile. As in TRL
-    (nansum), a None adds nothing to the total and the other weights are not renormalised.
+    Every function is called with keywords, as TRL calls it: prompts=, completions= (message lists
+    `[{"role": "assistant", "content": text}]` where the prompt is a message list, else strings),
+    completion_ids=, trainer_state= and every dataset column by name. Async functions are awaited
+    concurrently; sync ones run in worker threads meanwhile. As in TRL (nansum), a None adds nothing to
+    the total and the other weights are not renormalised.
     Example: values {"a": [1.0, None], "b": [0.5, 0.5]}, weights [1.0, 2.0] -> totals [2.0, 1.0]
     """
     weights = [1.0] * len(funcs) if weights is None else list(weights)
@@ -80,14 +99,27 @@ async def score(
             f"got {len(weights)} reward weights for {len(funcs)} reward functions; pass one weight per function"
         )
     assert all(len(v) == len(completions) for v in columns.values()), "columns must align with completions"
-    results = await asyncio.gather(*(_call(f, prompts, completions, columns, timeout_s) for f in funcs))
+    kwargs = {
+        **columns,
+        "prompts": prompts,
+        "completions": [_as_messages(c) if isinstance(p, list) and isinstance(c, str) else c for p, c in zip(prompts, completions)],
+        "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions],
+        "trainer_state": trainer_state or TrainerState(),
+    }
+    results = await asyncio.gather(*(_call(f, kwargs, len(completions), timeout_s) for f in funcs))
     values = {f.name: result for f, result in zip(funcs, results)}
-    totals = [
-        float(sum(w * v[i] for w, v in zip(weights, results) if v[i] is not None)) for i in range(len(completions))
-    ]
+    totals = [_total(weights, [v[i] for v in results]) for i in range(len(completions))]
     if nonfinite == "error":
         _check_finite(values, totals)
     return [t if math.isfinite(t) else math.nan for t in totals], values
+
+
+def _as_messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def _total(weights: list[float], values: list[float | None]) -> float:
+    return float(sum(w * v for w, v in zip(weights, values) if v is not None))
 
 
 def _check_finite(values: dict[str, list[float | None]], totals: list[float]) -> None:
@@ -102,16 +134,14 @@ def _check_finite(values: dict[str, list[float | None]], totals: list[float]) ->
             raise ValueError(f"the weighted reward of completion {i} overflows to {total!r}; {fix}")
 
 
-async def _call(
-    func: RewardFunc, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]], timeout_s: float | None
-) -> list[float | None]:
+async def _call(func: RewardFunc, kwargs: dict[str, Any], expected: int, timeout_s: float | None) -> list[float | None]:
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
             if inspect.iscoroutinefunction(func.fn):
-                result = await func.fn(prompts, completions, **columns)
+                result = await func.fn(**kwargs)
             else:
-                result = await in_daemon_thread(functools.partial(func.fn, prompts, completions, **columns), name=f"reward-{func.name}")
+                result = await in_daemon_thread(functools.partial(func.fn, **kwargs), name=f"reward-{func.name}")
                 if inspect.isawaitable(result):
                     result = await result
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
@@ -120,7 +150,7 @@ async def _call(
         message = " ".join(str(error).split())
         where = user_frame(error, func.fn)
         raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}{where}: {message}") from error
-    return _check_values(func.name, result, len(completions))
+    return _check_values(func.name, result, expected)
 
 
 def user_frame(error: BaseException, fn: Any) -> str:

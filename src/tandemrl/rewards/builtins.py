@@ -1,7 +1,8 @@
 """Built-in reward functions, in TRL's signature: `fn(prompts, completions, **columns) -> list[float | None]`.
 
-`prompts` are strings or chat-message lists, `completions` are strings; every other dataset column
-arrives as a keyword list aligned with `completions`. None means "not applicable to this row".
+`prompts` are strings or chat-message lists, `completions` are strings, or message lists where the
+prompt is one (the last message's content is scored); every other dataset column arrives as a keyword
+list aligned with `completions`. None means "not applicable to this row".
 Invariant: each function returns exactly one value per completion and never raises on model output.
 """
 
@@ -22,7 +23,7 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
-def math_accuracy(prompts: list[Any], completions: list[str], **columns: list[Any]) -> list[float | None]:
+def math_accuracy(prompts: list[Any], completions: list[Any], **columns: list[Any]) -> list[float | None]:
     """1.0 if the completion's final answer equals the reference answer, else 0.0; None without a reference.
 
     The final answer is the last \\boxed{...}, else the text after the last "####", else the last number.
@@ -33,10 +34,10 @@ def math_accuracy(prompts: list[Any], completions: list[str], **columns: list[An
     solutions = _per_row(columns.get("solution"), None, len(completions))
     answers = _per_row(columns.get("answer"), None, len(completions))
     references = [s if s is not None else a for s, a in zip(solutions, answers)]
-    return [_accuracy(completion, reference) for completion, reference in zip(completions, references)]
+    return [_accuracy(text(completion), reference) for completion, reference in zip(completions, references)]
 
 
-def format(prompts: list[Any], completions: list[str], **columns: list[Any]) -> list[float | None]:  # noqa: A001
+def format(prompts: list[Any], completions: list[Any], **columns: list[Any]) -> list[float | None]:  # noqa: A001
     """1.0 if the completion matches a regex (`re.search`), else 0.0.
 
     The pattern is the row's `format_pattern` column when the dataset has one, else FORMAT_PATTERN
@@ -44,20 +45,20 @@ def format(prompts: list[Any], completions: list[str], **columns: list[Any]) -> 
     Example: completions ["2 + 2 = 4, so \\boxed{4}.", "4"] -> [1.0, 0.0]
     """
     patterns = _per_row(columns.get("format_pattern"), FORMAT_PATTERN, len(completions))
-    return [1.0 if re.search(pattern, completion) else 0.0 for completion, pattern in zip(completions, patterns)]
+    return [1.0 if re.search(pattern, text(completion)) else 0.0 for completion, pattern in zip(completions, patterns)]
 
 
 def make_format(pattern: str) -> Any:
     """A `format` reward with a fixed pattern, for `module:function` use: `my_format = make_format(r"...")`."""
     re.compile(pattern)
 
-    def format_pattern(prompts: list[Any], completions: list[str], **columns: list[Any]) -> list[float | None]:
-        return [1.0 if re.search(pattern, completion) else 0.0 for completion in completions]
+    def format_pattern(prompts: list[Any], completions: list[Any], **columns: list[Any]) -> list[float | None]:
+        return [1.0 if re.search(pattern, text(completion)) else 0.0 for completion in completions]
 
     return format_pattern
 
 
-def length(prompts: list[Any], completions: list[str], **columns: list[Any]) -> list[float | None]:
+def length(prompts: list[Any], completions: list[Any], **columns: list[Any]) -> list[float | None]:
     """0.0 up to a target length in characters, then falling linearly to -1.0 at twice the target.
 
     The target is the row's `target_length` column when the dataset has one, else TARGET_LENGTH.
@@ -65,10 +66,18 @@ def length(prompts: list[Any], completions: list[str], **columns: list[Any]) -> 
     Example: completions ["x" * 10, "x" * 15, "x" * 40], target_length [10] * 3 -> [0.0, -0.5, -1.0]
     """
     targets = _per_row(columns.get("target_length"), TARGET_LENGTH, len(completions))
-    return [-min(1.0, max(0, len(c) - t) / t) for c, t in zip(completions, targets)]
+    return [-min(1.0, max(0, len(text(c)) - t) / t) for c, t in zip(completions, targets)]
 
 
 BUILTINS = {"math_accuracy": math_accuracy, "format": format, "length": length}
+
+
+def text(completion: str | list[dict[str, Any]]) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion's last message.
+
+    Example: [{"role": "assistant", "content": "42"}] -> "42"
+    """
+    return completion if isinstance(completion, str) else str(completion[-1].get("content") or "")
 
 
 def extract_answer(text: str) -> str | None:

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from tandemrl.rewards.base import RewardFunc, load_reward_funcs, score
+from tandemrl.rewards.base import RewardFunc, TrainerState, load_reward_funcs, score
 
 
 def _run(funcs, weights, completions, columns=None):
@@ -48,8 +48,8 @@ def test_bad_module_file_or_attribute_say_the_fix(tmp_path) -> None:
 
 def test_score_weights_sum_and_none_adds_nothing() -> None:
     funcs = [
-        RewardFunc(name="a", fn=lambda p, c, **kw: [1.0, None]),
-        RewardFunc(name="b", fn=lambda p, c, **kw: [0.5, 0.5]),
+        RewardFunc(name="a", fn=lambda completions, **kw: [1.0, None]),
+        RewardFunc(name="b", fn=lambda completions, **kw: [0.5, 0.5]),
     ]
     totals, values = _run(funcs, [1.0, 2.0], ["x", "y"])
     assert totals == [2.0, 1.0]
@@ -109,7 +109,7 @@ def test_a_raising_function_becomes_one_line_naming_it() -> None:
 )
 def test_wrong_length_or_types_name_the_function(result, message) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _run([RewardFunc(name="f", fn=lambda p, c, **kw: result)], None, ["x", "y"])
+        _run([RewardFunc(name="f", fn=lambda completions, **kw: result)], None, ["x", "y"])
 
 
 def test_weights_must_match_functions() -> None:
@@ -120,7 +120,7 @@ def test_weights_must_match_functions() -> None:
 
 
 def test_bools_and_ints_become_floats() -> None:
-    totals, values = _run([RewardFunc(name="f", fn=lambda p, c, **kw: [True, 0])], None, ["x", "y"])
+    totals, values = _run([RewardFunc(name="f", fn=lambda completions, **kw: [True, 0])], None, ["x", "y"])
     assert values["f"] == [1.0, 0.0] and all(type(v) is float for v in values["f"])
 
 
@@ -131,15 +131,48 @@ SKIP_FIX = "return finite floats (or None), or pass --reward_nonfinite skip to d
 def test_a_non_finite_reward_is_an_error_naming_the_function(bad) -> None:
     message = f"reward function 'f' returned {bad!r} at position 1; {SKIP_FIX}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _run([RewardFunc(name="f", fn=lambda p, c, **kw: [1.0, bad])], None, ["x", "y"])
+        _run([RewardFunc(name="f", fn=lambda completions, **kw: [1.0, bad])], None, ["x", "y"])
 
 
 def test_a_weighted_total_that_overflows_is_an_error_too() -> None:
     with pytest.raises(ValueError, match=re.escape(f"the weighted reward of completion 0 overflows to inf; {SKIP_FIX}")):
-        _run([RewardFunc(name="f", fn=lambda p, c, **kw: [1e308])], [10.0], ["x"])
+        _run([RewardFunc(name="f", fn=lambda completions, **kw: [1e308])], [10.0], ["x"])
 
 
 def test_with_skip_non_finite_totals_come_back_as_nan() -> None:
-    funcs = [RewardFunc(name="f", fn=lambda p, c, **kw: [1.0, float("inf")])]
+    funcs = [RewardFunc(name="f", fn=lambda completions, **kw: [1.0, float("inf")])]
     totals, values = asyncio.run(score(funcs, None, ["p", "p"], ["x", "y"], {}, nonfinite="skip"))
     assert totals[0] == 1.0 and totals[1] != totals[1] and values["f"] == [1.0, float("inf")]
+
+
+def test_called_with_keywords_as_trl_documents() -> None:
+    """TRL's docs write `def reward(completions, **kwargs)`: that must work (it failed when called positionally)."""
+    seen = {}
+
+    def reward(completions, **kwargs):
+        seen.update(kwargs, completions=completions)
+        return [float(len(c)) for c in completions]
+
+    totals, _ = asyncio.run(score(
+        [RewardFunc(name="r", fn=reward)], None, ["p1", "p2"], ["ab", "c"], {"answer": ["1", "2"]},
+        completion_ids=[[5, 6], [7]], trainer_state=TrainerState(global_step=3, epoch=0.5, max_steps=10),
+    ))
+    assert totals == [2.0, 1.0]
+    assert seen["prompts"] == ["p1", "p2"] and seen["completions"] == ["ab", "c"] and seen["answer"] == ["1", "2"]
+    assert seen["completion_ids"] == [[5, 6], [7]]
+    assert (seen["trainer_state"].global_step, seen["trainer_state"].epoch) == (3, 0.5)
+
+
+def test_conversational_prompts_give_message_completions() -> None:
+    seen = {}
+
+    def reward(prompts, completions, **kwargs):
+        seen["completions"] = completions
+        return [1.0] * len(completions)
+
+    prompt = [{"role": "user", "content": "2 + 2?"}]
+    asyncio.run(score([RewardFunc(name="r", fn=reward)], None, [prompt], ["\\boxed{4}"], {}))
+    assert seen["completions"] == [[{"role": "assistant", "content": "\\boxed{4}"}]]
+    # the built-ins read message completions too
+    totals, _ = asyncio.run(score(load_reward_funcs(["math_accuracy"]), None, [prompt], ["\\boxed{4}"], {"answer": ["4"]}))
+    assert totals == [1.0]

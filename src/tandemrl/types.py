@@ -173,7 +173,8 @@ class Turn:
 class Rollout:
     """A conversation played to its end. The rollout runner writes trace, text, messages, turns and
     status; the rewards step writes `rewards` (one entry per reward function, None = not applicable)
-    and `reward`. `messages` (multi-turn only) is the conversation after the prompt, as chat messages:
+    and `reward` (their weighted sum; None when every function returned None: unscorable, advantage 0).
+    `messages` (multi-turn only) is the conversation after the prompt, as chat messages:
     assistant turns (with the `tool_calls` parsed from them) and the environment's answers."""
 
     example: Example
@@ -184,7 +185,7 @@ class Rollout:
     messages: list[Message] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     rewards: dict[str, float | None] = field(default_factory=dict)
-    reward: float = 0.0
+    reward: float | None = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,7 +199,7 @@ class Group:
     error: str = ""
 
     @property
-    def rewards(self) -> list[float]:
+    def rewards(self) -> list[float | None]:
         return [r.reward for r in self.rollouts]
 
 

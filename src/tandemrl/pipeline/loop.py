@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.algo.advantage import group_relative_advantages, zero_variance_groups
+from tandemrl.algo.advantage import group_relative_advantages, nan_std, zero_variance_groups
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
@@ -148,7 +148,7 @@ async def score_groups(
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}
-    poisoned = [g for g in groups if any(math.isnan(r.reward) for r in g.rollouts)]
+    poisoned = [g for g in groups if any(r.reward is not None and math.isnan(r.reward) for r in g.rollouts)]
     _mark_failed(poisoned)
     return len(poisoned)
 
@@ -165,7 +165,7 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
     metrics = {"rollout/failed_groups": float(len(groups) - len(ok))}
     if not ok:
         return Batch(groups=[], policy_version=version), metrics
-    rewards = torch.tensor([g.rewards for g in ok], dtype=torch.float64)  # [P, G]
+    rewards = reward_matrix(ok)  # [P, G]
     advantages = group_relative_advantages(rewards, scale=settings.scale_rewards)  # [P, G]
     flat = zero_variance_groups(rewards)  # [P]
     for g, adv in zip(ok, advantages.tolist()):
@@ -173,9 +173,15 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
     metrics.update(reward_metrics(ok))
     metrics.update(turn_metrics(ok))
     metrics["frac_reward_zero_std"] = float(flat.float().mean())
+    metrics["rewards/num_unscorable"] = float(rewards.isnan().sum())
     metrics["rollout/max_policy_lag"] = float(max_policy_lag(ok, version))
     trained = [g for g, f in zip(ok, flat.tolist()) if not (f and settings.drop_zero_variance_groups)]
     return Batch(groups=trained, policy_version=version), metrics
+
+
+def reward_matrix(groups: list[Group]) -> torch.Tensor:
+    """[P, G] float64 rewards, NaN where a rollout is unscorable (every reward function returned None)."""
+    return torch.tensor([[math.nan if x is None else x for x in g.rewards] for g in groups], dtype=torch.float64)
 
 
 def max_policy_lag(groups: list[Group], version: int) -> int:
@@ -185,13 +191,13 @@ def max_policy_lag(groups: list[Group], version: int) -> int:
 
 
 def reward_metrics(groups: list[Group]) -> dict[str, float]:
-    """TRL/ms-swift names: reward, reward_std (mean within-group std), rewards/<fn>/*, completions/*."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)  # [P, G]
+    """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out."""
+    rewards = reward_matrix(groups)  # [P, G]
     rollouts = [r for g in groups for r in g.rollouts]
     lengths = torch.tensor([r.trace.num_sampled for r in rollouts], dtype=torch.float64)
     metrics = {
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std(dim=1, unbiased=False).mean()),
+        "reward": float(rewards.nanmean()),
+        "reward_std": float(nan_std(rewards.flatten(), dim=0)),  # TRL: Bessel-corrected std of all the step's rewards
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),

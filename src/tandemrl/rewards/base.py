@@ -1,6 +1,6 @@
 """Loading reward functions by name and scoring completions with all of them at once.
 
-Invariant: `score` returns one total and, per function, one value (float or None) for every completion,
+Invariant: `score` returns one total (None where every function returned None) and, per function, one value (float or None) for every completion,
 or raises a one-line ValueError that names the function at fault. Every value and total is finite,
 unless asked to keep non-finite ones as NaN (`nonfinite="skip"`: the caller drops their groups).
 Every call has a deadline: an async function past it is cancelled, a sync one (run in a daemon thread
@@ -83,15 +83,16 @@ async def score(
     trainer_state: TrainerState | None = None,
     nonfinite: str = "error",
     timeout_s: float | None = None,
-) -> tuple[list[float], dict[str, list[float | None]]]:
+) -> tuple[list[float | None], dict[str, list[float | None]]]:
     """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
 
     Every function is called with keywords, as TRL calls it: prompts=, completions= (message lists
     `[{"role": "assistant", "content": text}]` where the prompt is a message list, else strings),
     completion_ids=, trainer_state= and every dataset column by name. Async functions are awaited
     concurrently; sync ones run in worker threads meanwhile. As in TRL (nansum), a None adds nothing to
-    the total and the other weights are not renormalised.
-    Example: values {"a": [1.0, None], "b": [0.5, 0.5]}, weights [1.0, 2.0] -> totals [2.0, 1.0]
+    the total and the other weights are not renormalised; a completion every function scored None has
+    total None (TRL's unscorable: it gets advantage 0 and stays out of its group's baseline).
+    Example: values {"a": [1.0, None, None], "b": [0.5, 0.5, None]}, weights [1.0, 2.0] -> [2.0, 1.0, None]
     """
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
@@ -111,14 +112,16 @@ async def score(
     totals = [_total(weights, [v[i] for v in results]) for i in range(len(completions))]
     if nonfinite == "error":
         _check_finite(values, totals)
-    return [t if math.isfinite(t) else math.nan for t in totals], values
+    return [t if t is None or math.isfinite(t) else math.nan for t in totals], values
 
 
 def _as_messages(text: str) -> list[dict[str, str]]:
     return [{"role": "assistant", "content": text}]
 
 
-def _total(weights: list[float], values: list[float | None]) -> float:
+def _total(weights: list[float], values: list[float | None]) -> float | None:
+    if all(v is None for v in values):
+        return None
     return float(sum(w * v for w, v in zip(weights, values) if v is not None))
 
 
@@ -130,7 +133,7 @@ def _check_finite(values: dict[str, list[float | None]], totals: list[float]) ->
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"reward function '{name}' returned {value!r} at position {i}; {fix}")
     for i, total in enumerate(totals):
-        if not math.isfinite(total):
+        if total is not None and not math.isfinite(total):
             raise ValueError(f"the weighted reward of completion {i} overflows to {total!r}; {fix}")
 
 

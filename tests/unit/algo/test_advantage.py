@@ -38,3 +38,12 @@ def test_group_of_one_gets_zero_advantage_not_nan():
 def test_zero_variance_groups_are_flagged_for_dynamic_sampling():
     rewards = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
     assert zero_variance_groups(rewards).tolist() == [True, False, True]
+
+
+def test_nan_rewards_stay_out_of_mean_and_std_and_get_zero_advantage():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.0, nan, 1.0]])
+    std = math.sqrt((2 * (1 / 3) ** 2 + (2 / 3) ** 2) / 2)  # of [1, 0, 1]
+    expected = torch.tensor([[1 / 3, -2 / 3, 0.0, 1 / 3]]) / (std + 1e-4)
+    torch.testing.assert_close(group_relative_advantages(rewards, scale="group"), expected)
+    assert zero_variance_groups(torch.tensor([[1.0, nan, 1.0]])).tolist() == [True]

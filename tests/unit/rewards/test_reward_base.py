@@ -176,3 +176,8 @@ def test_conversational_prompts_give_message_completions() -> None:
     # the built-ins read message completions too
     totals, _ = asyncio.run(score(load_reward_funcs(["math_accuracy"]), None, [prompt], ["\\boxed{4}"], {"answer": ["4"]}))
     assert totals == [1.0]
+
+
+def test_a_completion_every_function_scored_none_has_total_none() -> None:
+    funcs = [RewardFunc(name="a", fn=lambda completions, **kw: [1.0, None]), RewardFunc(name="b", fn=lambda completions, **kw: [None, None])]
+    assert _run(funcs, None, ["x", "y"])[0] == [1.0, None]

@@ -1,0 +1,33 @@
+"""The loop's reward step: unscorable rollouts, group-relative advantages and reward metrics, as TRL's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandemrl.pipeline.loop import LoopSettings, _batch
+from tandemrl.types import Example, Group, Rollout, TokenTrace
+
+
+def group(*rewards: float | None) -> Group:
+    example = Example(prompt="p")
+    trace = TokenTrace(token_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, -1.0], policy_versions=[-1, 0])
+    return Group(example=example, rollouts=[Rollout(example=example, trace=trace, reward=r) for r in rewards])
+
+
+def settings(**overrides) -> LoopSettings:
+    values = dict(
+        max_steps=1, num_prompts_per_step=1, num_generations=4, scale_rewards="none", drop_zero_variance_groups=False,
+        seed=0, sleep_level=0, log_completions_steps=0, save_steps=0, save_total_limit=0,
+    )
+    return LoopSettings(**{**values, **overrides})
+
+
+def test_unscorable_rollout_gets_zero_advantage_and_stays_out_of_the_baseline() -> None:
+    batch, metrics = _batch([group(1.0, 0.0, None, 0.0)], settings(), version=0)
+    # the baseline is the mean of the three scored rewards (1/3), not of four with a 0.0 for the None
+    assert batch.groups[0].advantages == pytest.approx([2 / 3, -1 / 3, 0.0, -1 / 3])
+    assert metrics["rewards/num_unscorable"] == 1.0
+    assert metrics["reward"] == pytest.approx(1 / 3)
+    assert metrics["reward_std"] == pytest.approx(math.sqrt(1 / 3))  # Bessel-corrected std of [1, 0, 0]

@@ -113,6 +113,22 @@ def truncated_importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tenso
     return torch.exp(old_logprobs - behaviour_logprobs).detach().clamp(max=cap)
 
 
+def sequence_importance_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, seq_index: Tensor, loss_mask: Tensor, *, cap: float
+) -> Tensor:
+    """Each token gets its sequence's weight min(exp(sum over its trained tokens of (old - behaviour)), cap), no grad.
+
+    The sequence-level form of truncated importance sampling, for a sequence-level objective (GSPO): one
+    likelihood ratio per sequence, as TRL's `sequence_truncate`; cap 0 = off (ones).
+    Example: old [log 2, log 1.5, 0], behaviour [0, 0, 0], seq_index [0, 0, 1], cap 4 -> [3.0, 3.0, 1.0]
+    """
+    if cap == 0:
+        return torch.ones_like(old_logprobs)
+    diff = ((old_logprobs - behaviour_logprobs) * loss_mask.float()).detach()  # [N]
+    sums = torch.zeros(int(seq_index.max()) + 1, dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)  # [S]
+    return torch.exp(sums).clamp(max=cap)[seq_index]  # [N]
+
+
 def policy_loss(
     batch: PackedTokens,
     logprobs: Tensor,
@@ -138,7 +154,10 @@ def policy_loss(
     surrogate, clipped = clipped_surrogate(
         new, old, batch.advantages, clip_low=config.clip_low, clip_high=config.clip_high
     )  # [N], [N]
-    tis = truncated_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, cap=tis_cap)  # [N]
+    if config.ratio_level == "sequence":  # a token-level weight would break the sequence-level objective
+        tis = sequence_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, batch.seq_index, batch.loss_mask, cap=tis_cap)
+    else:
+        tis = truncated_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, cap=tis_cap)  # [N]
     per_token = surrogate * tis  # [N]
     mw = (weights if metric_weights is None else metric_weights).detach()  # [N]
     metrics = {

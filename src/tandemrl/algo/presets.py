@@ -75,7 +75,8 @@ class AlgoConfig:
     drop_zero_variance_groups: bool = True
     """Drop groups whose rewards are all equal: their advantages are zero (DAPO dynamic sampling)."""
     tis_cap: float = 2.0
-    """Cap of the truncated importance weight trainer/sampler on each token; 0 = off."""
+    """Cap of the truncated importance weight trainer/sampler: per token, or per sequence (the sequence's
+    likelihood ratio, as TRL's sequence_truncate) for gspo; 0 = off."""
     max_completion_length: int = 256
     """Most tokens sampled per completion; also the constant normaliser of dr_grpo."""
 

@@ -8,6 +8,7 @@ from tandemrl.algo.loss import (
     clipped_surrogate,
     kl_k3,
     policy_loss,
+    sequence_importance_weights,
     sequence_level_ratio_logprobs,
     token_weights,
     truncated_importance_weights,
@@ -159,3 +160,32 @@ def test_untrained_positions_cannot_turn_the_loss_nan():
     loss, _ = policy_loss(batch, logprobs, config=GRPO, weights=weights, ref_logprobs=None, beta=0.0, tis_cap=2.0)
     loss.backward()
     assert loss.item() == -1.0 and torch.isfinite(logprobs.grad).all()
+
+
+def test_sequence_importance_weight_is_the_capped_sequence_likelihood_ratio():
+    old = torch.tensor([math.log(2.0), math.log(1.5), 0.0, 5.0])
+    weights = sequence_importance_weights(
+        old, torch.zeros(4), torch.tensor([0, 0, 1, 1]), torch.tensor([T, T, T, F]), cap=4.0
+    )  # the untrained token of sequence 1 is left out of its sum
+    torch.testing.assert_close(weights, torch.tensor([3.0, 3.0, 1.0, 1.0]))
+
+
+def test_gspo_with_tis_weights_each_sequence_by_its_own_sequence_weight():
+    # sampler mismatch differs token by token: a token-level weight would bring token weights back into
+    # GSPO's sequence-level objective. TRL's form: w_i = min(exp(sum_t (old - behaviour)), cap) per sequence.
+    config = LossConfig(clip_low=0.3, clip_high=0.3, aggregation="seq_mean_token_mean", ratio_level="sequence")
+    seq_index, mask = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([F, T, T, T, T])
+    old = torch.tensor([0.0, -1.1, -2.3, -0.9, -0.5])
+    behaviour = old - torch.tensor([0.0, 0.4, -0.3, 0.5, 0.6])  # w_0 = exp(0.1), w_1 = min(exp(1.1), 2) = 2
+    batch = SimpleNamespace(loss_mask=mask, old_logprobs=old, behaviour_logprobs=behaviour, advantages=torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0]), seq_index=seq_index)
+    weights = token_weights(seq_index, mask, aggregation="seq_mean_token_mean", num_sequences=2, num_tokens=4, max_completion_length=8)
+    logprobs = torch.tensor([-7.0, -1.0, -2.0, -0.8, -0.6], requires_grad=True)
+    loss, metrics = policy_loss(batch, logprobs, config=config, weights=weights, ref_logprobs=None, beta=0.0, tis_cap=2.0)
+    loss.backward()
+    reference = logprobs.detach().clone().requires_grad_(True)
+    s = torch.stack([(reference[1:3] - old[1:3]).mean().exp(), (reference[3:] - old[3:]).mean().exp()])  # [2]
+    a, w = torch.tensor([1.0, -2.0]), torch.tensor([math.exp(0.1), 2.0])
+    expected = (-torch.min(s * a, s.clamp(0.7, 1.3) * a) * w).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(logprobs.grad, reference.grad)

@@ -89,6 +89,8 @@ def _one_big_batch(policy, old, ref, traces, advantages, config):
     ratio = log_ratio.exp()
     surrogate = -torch.min(ratio * adv, ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * adv)
     tis = (old_lp - behaviour).exp().clamp(max=TIS_CAP)
+    if config.ratio_level == "sequence":  # TRL's sequence_truncate: one weight per sequence
+        tis = ((old_lp - behaviour) * mask).sum(-1, keepdim=True).exp().clamp(max=TIS_CAP)
     per_token = (surrogate * tis + BETA * ((ref_lp - lp).exp() - (ref_lp - lp) - 1)) * mask
     if config.aggregation == "token_mean":
         return per_token.sum() / mask.sum()

@@ -61,35 +61,61 @@ def token_weights(
 
 
 def clipped_surrogate(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float
-) -> tuple[Tensor, Tensor]:
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float, delta: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token PPO loss -min(r A, clip(r, 1 - low, 1 + high) A), r = exp(logprobs - old_logprobs).
 
-    PPO (Schulman et al. 2017); the decoupled clip_high is DAPO's clip-higher (Yu et al. 2025). The mask
-    is 1.0 where the clipped term is the active one (the token gives no gradient).
-    Example: logprobs [log 1.5], old [0], advantages [1], clip 0.2/0.2 -> loss [-1.2], clipped [1.0]
+    PPO (Schulman et al. 2017); the decoupled clip_high is DAPO's clip-higher (Yu et al. 2025); `delta`
+    also caps r in the unclipped term (two-sided clipping, INTELLECT-2, arXiv:2505.07291). The two masks
+    are 1.0 where the low / high clip is the active term (the token gives no gradient).
+    Example: logprobs [log 1.5], old [0], advantages [1], clip 0.2/0.2 -> loss [-1.2], low [0.0], high [1.0]
     """
     ratio = torch.exp(logprobs - old_logprobs)  # [N]
-    unclipped = ratio * advantages  # [N]
+    unclipped = (ratio if delta is None else ratio.clamp(max=delta)) * advantages  # [N]
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages  # [N]
-    is_clipped = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.min(unclipped, clipped), is_clipped.float()
+    is_low = (ratio < 1 - clip_low) & (advantages < 0)
+    is_high = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.min(unclipped, clipped), is_low.float(), is_high.float()
 
 
-def sequence_level_ratio_logprobs(
-    logprobs: Tensor, old_logprobs: Tensor, seq_index: Tensor, loss_mask: Tensor
-) -> Tensor:
-    """GSPO-token log-ratio: log s_i,t = sg[log s_i] + logprobs - sg[logprobs], for clipped_surrogate(., 0, ...).
+def cispo_surrogate(
+    logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, *, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token CISPO loss -sg[min(r, clip_high)] A logprobs, and where r was capped (with A > 0).
 
-    log s_i is the mean over sequence i's trained tokens of (logprobs - old_logprobs); the value of every
-    token of i is log s_i, its gradient that of its own logprob (Zheng et al. 2025, arXiv:2507.18071, eq. 13).
-    Example: logprobs [-1, -2], old [-1.1, -2.3], one sequence, all trained -> values [0.2, 0.2]
+    CISPO (MiniMax-M1, arXiv:2506.13585): the importance weight is clipped and detached, so every token
+    keeps its gradient. Example: logprobs [-1], log_ratio [log 3], advantages [1], clip_high 2 -> [-2], [1.0]
     """
-    mask = loss_mask.float()  # [N]
-    log_ratio = (logprobs - old_logprobs).detach() * mask  # [N]
-    sums = torch.zeros(seq_index.numel(), device=logprobs.device).index_add_(0, seq_index, log_ratio)  # [N] >= S slots
-    log_s = sums[seq_index] / _tokens_per_sequence(seq_index, loss_mask).clamp(min=1)  # [N]
-    return log_s + logprobs - logprobs.detach()
+    ratio = torch.exp(log_ratio)  # [N]
+    is_clipped = (ratio > clip_high) & (advantages > 0)
+    return -ratio.clamp(max=clip_high).detach() * advantages * logprobs, is_clipped.float()
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, seq_index: Tensor, loss_mask: Tensor) -> Tensor:
+    """log s_i at every token of sequence i: the mean over its trained tokens of (logprobs - old_logprobs).
+
+    GSPO's sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071), with its full gradient: every token
+    of i gets d log s_i, the mean of its trained tokens' gradients, as TRL's importance_sampling_level
+    "sequence". Example: logprobs [-1, -2], old [-1.1, -2.3], one sequence, all trained -> [0.2, 0.2]
+    """
+    log_ratio = (logprobs - old_logprobs) * loss_mask.float()  # [N]
+    sums = torch.zeros(seq_index.numel(), dtype=log_ratio.dtype, device=logprobs.device)  # [N] >= S slots: no host sync
+    sums = sums.index_add(0, seq_index, log_ratio)
+    return sums[seq_index] / _tokens_per_sequence(seq_index, loss_mask).clamp(min=1)  # [N]
+
+
+def high_entropy_mask(entropy: Tensor, loss_mask: Tensor, *, quantile: float) -> Tensor:
+    """True for trained tokens whose entropy is in the top `quantile` of the trained tokens given.
+
+    "Beyond the 80/20 Rule" (Wang et al. 2025, arXiv:2506.01939); TRL's top_entropy_quantile, computed
+    over the tokens of one forward (a micro-batch), as TRL does. quantile 1 keeps all, 0 the highest.
+    Example: entropy [0.1, 0.9, 0.5, 0.3], all trained, quantile 0.5 -> [F, T, T, F]
+    """
+    trained = entropy[loss_mask].float()  # [M]
+    if trained.numel() == 0:
+        return torch.zeros_like(loss_mask)
+    threshold = torch.quantile(trained, 1 - quantile)
+    return (entropy >= threshold) & loss_mask
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -125,7 +151,7 @@ def sequence_importance_weights(
     if cap == 0:
         return torch.ones_like(old_logprobs)
     diff = ((old_logprobs - behaviour_logprobs) * loss_mask.float()).detach()  # [N]
-    sums = torch.zeros(int(seq_index.max()) + 1, dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)  # [S]
+    sums = torch.zeros(seq_index.numel(), dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)  # [N] >= S slots
     return torch.exp(sums).clamp(max=cap)[seq_index]  # [N]
 
 
@@ -139,34 +165,81 @@ def policy_loss(
     beta: float,
     tis_cap: float,
     metric_weights: Tensor | None = None,
+    sequence_metric_weights: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """sum_t weights_t * (surrogate_t * tis_t + beta * kl_t): this micro-batch's share of the step loss.
+    """sum_t weights_t * (surrogate_t * keep_t * tis_t + beta * kl_t * [r_t]): this micro-batch's share of the step loss.
 
-    logprobs [N] are the current policy's, with grad. The metrics are sums of metric_weights * value
-    (default `weights`; pass token_mean weights to get per-token means), detached, so that summing them
-    over micro-batches gives the step's value. Keys: clip_ratio, tis_weight, ratio, and kl when ref is given.
+    logprobs [N] are the current policy's, with grad; `keep` [N] bool (default all) drops tokens from the
+    policy term (top_entropy_quantile); r_t multiplies the KL when config.kl_bias_correction (TRL's
+    use_bias_correction_kl). The metrics are sums of metric_weights * value (default `weights`; pass
+    token_mean weights to get per-token means), detached, so that summing them over micro-batches gives
+    the step's value; clip metrics use sequence_metric_weights at sequence level (one value per sequence,
+    as TRL), and `*_min` / `*_max` keys are minima / maxima over sequences (see `combine_metrics`).
     """
-    new, old = logprobs, batch.old_logprobs  # [N], [N]: the ratio is exp(new - old)
-    if config.ratio_level == "sequence":  # GSPO: exp(new - old) = s_i, one ratio per sequence
-        new = sequence_level_ratio_logprobs(logprobs, old, batch.seq_index, batch.loss_mask)
-        old = torch.zeros_like(old)
-    new = torch.where(batch.loss_mask, new, old)  # ratio 1 where untrained: no exp overflow, no 0 * inf = nan
-    surrogate, clipped = clipped_surrogate(
-        new, old, batch.advantages, clip_low=config.clip_low, clip_high=config.clip_high
-    )  # [N], [N]
-    if config.ratio_level == "sequence":  # a token-level weight would break the sequence-level objective
-        tis = sequence_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, batch.seq_index, batch.loss_mask, cap=tis_cap)
-    else:
-        tis = truncated_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, cap=tis_cap)  # [N]
-    per_token = surrogate * tis  # [N]
     mw = (weights if metric_weights is None else metric_weights).detach()  # [N]
-    metrics = {
-        "clip_ratio": (mw * clipped).sum(),
-        "tis_weight": (mw * tis).sum(),
-        "ratio": (mw * torch.exp(new - old).detach()).sum(),
-    }
+    if config.ratio_level == "sequence":  # GSPO: one ratio s_i per sequence
+        log_ratio = sequence_log_ratio(logprobs, batch.old_logprobs, batch.seq_index, batch.loss_mask)  # [N]
+        tis = sequence_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, batch.seq_index, batch.loss_mask, cap=tis_cap)
+        cw = mw if sequence_metric_weights is None else sequence_metric_weights.detach()  # [N]
+    else:
+        log_ratio = logprobs - batch.old_logprobs  # [N]
+        tis = truncated_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, cap=tis_cap)  # [N]
+        cw = mw
+    log_ratio = torch.where(batch.loss_mask, log_ratio, 0.0)  # ratio 1 where untrained: no exp overflow, no 0 * inf = nan
+    surrogate, metrics = _surrogate(config, logprobs, log_ratio, batch.advantages, cw, batch.seq_index, batch.loss_mask)
+    if keep is not None:
+        surrogate = surrogate * keep.float()
+    per_token = surrogate * tis  # [N]
+    metrics["tis_weight"] = (cw * tis).sum()
+    metrics["ratio"] = (cw * torch.exp(log_ratio).detach()).sum()
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs)  # [N]
-        per_token = per_token + beta * kl  # the KL penalty to the frozen reference (Shao et al. 2024, eq. 3)
-        metrics["kl"] = (mw * kl.detach()).sum()
+        penalty = kl * torch.exp(log_ratio) if config.kl_bias_correction else kl  # DeepSeek-V3.2's unbiased KL gradient
+        per_token = per_token + beta * penalty  # the KL penalty to the reference (Shao et al. 2024, eq. 3)
+        metrics["kl"] = (mw * penalty.detach()).sum()
     return (weights * per_token).sum(), metrics
+
+
+def _surrogate(
+    config: LossConfig, logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, cw: Tensor, seq_index: Tensor, loss_mask: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The objective's per-token loss and its clip metrics (TRL's names)."""
+    if config.objective == "cispo":
+        surrogate, clipped = cispo_surrogate(logprobs, log_ratio, advantages, clip_high=config.clip_high)
+        return surrogate, {"cispo_clip_ratio": (cw * clipped).sum()}
+    zeros = torch.zeros_like(log_ratio)
+    surrogate, low, high = clipped_surrogate(
+        log_ratio, zeros, advantages, clip_low=config.clip_low, clip_high=config.clip_high, delta=config.delta
+    )
+    metrics = {
+        "clip_ratio/low_mean": (cw * low).sum(),
+        "clip_ratio/high_mean": (cw * high).sum(),
+        "clip_ratio/region_mean": (cw * (low + high)).sum(),
+        "clip_ratio/low_min": _per_sequence_mean(low, seq_index, loss_mask).min(),
+        "clip_ratio/high_max": _per_sequence_mean(high, seq_index, loss_mask).max(),
+    }
+    return surrogate, metrics
+
+
+def _per_sequence_mean(values: Tensor, seq_index: Tensor, loss_mask: Tensor) -> Tensor:
+    """Mean over each sequence's trained tokens, for the sequences that have any. Example: [1, 0, 1], [0, 0, 1] -> [0.5, 1]."""
+    mask = loss_mask.float()
+    num_sequences = seq_index.numel()  # >= S slots: no host sync; empty slots have count 0
+    sums = torch.zeros(num_sequences, device=values.device).index_add_(0, seq_index, values.detach() * mask)  # [S]
+    counts = torch.zeros(num_sequences, device=values.device).index_add_(0, seq_index, mask)  # [S]
+    return sums[counts > 0] / counts[counts > 0] if bool((counts > 0).any()) else torch.zeros(1, device=values.device)
+
+
+def combine_metrics(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+    """Adds one micro-batch's metrics into the step's: sums, except `*_min` / `*_max` keys (min / max)."""
+    for key, value in part.items():
+        if key not in total:
+            total[key] = value
+        elif key.endswith("_min"):
+            total[key] = min(total[key], value)
+        elif key.endswith("_max"):
+            total[key] = max(total[key], value)
+        else:
+            total[key] += value
+    return total

@@ -7,12 +7,16 @@ reads, so the loss never re-checks a user-facing string.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
+log = logging.getLogger(__name__)
+
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]
-LossType = Literal["grpo", "dapo", "dr_grpo", "gspo"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "bnpo", "cispo"]
+Objective = Literal["clip", "cispo"]
 RewardScale = Literal["group", "batch", "none"]
 
 
@@ -23,12 +27,18 @@ class LossConfig:
     aggregation: "seq_mean_token_mean" = mean over sequences of each sequence's token mean (GRPO);
     "token_mean" = mean over all trained tokens of the step (DAPO); "seq_mean_token_sum_norm" = token
     sum divided by num_sequences * max_completion_length (Dr. GRPO). ratio_level "sequence" = GSPO.
+    objective "cispo" replaces the clipped ratio by CISPO's detached, capped weight (clip_high is its cap).
+    delta caps the ratio of the unclipped term too (two-sided clipping); kl_bias_correction multiplies the
+    KL term by the ratio (TRL's use_bias_correction_kl).
     """
 
     clip_low: float
     clip_high: float
     aggregation: Aggregation
     ratio_level: RatioLevel = "token"
+    objective: Objective = "clip"
+    delta: float | None = None
+    kl_bias_correction: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -39,6 +49,8 @@ class LossConfig:
             raise ValueError(f"unknown aggregation {self.aggregation!r}")
         if self.ratio_level not in ("token", "sequence"):
             raise ValueError(f"ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
+        if self.delta is not None and self.delta <= 1 + self.clip_high:
+            raise ValueError(f"--delta must be > 1 + epsilon_high ({1 + self.clip_high}), got {self.delta}")
 
 
 # GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
@@ -50,7 +62,16 @@ DR_GRPO = LossConfig(clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_su
 # GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
 GSPO = LossConfig(clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean", ratio_level="sequence")
 
-PRESETS: dict[str, LossConfig] = {"grpo": GRPO, "dapo": DAPO, "dr_grpo": DR_GRPO, "gspo": GSPO}
+# BNPO: Xiao et al. 2025 (arXiv:2506.02864), TRL's "bnpo": token mean. Our token mean counts the whole
+# optimizer step, so it equals TRL's bnpo at one micro-batch (TRL normalises each micro-batch on its own).
+BNPO = LossConfig(clip_low=0.2, clip_high=0.2, aggregation="token_mean", ratio_level="token")
+# CISPO: MiniMax-M1 (arXiv:2506.13585); cap 5.0 on the detached weight, as ScaleRL (arXiv:2510.13786) recommends.
+CISPO = LossConfig(clip_low=0.2, clip_high=5.0, aggregation="token_mean", ratio_level="token", objective="cispo")
+
+PRESETS: dict[str, LossConfig] = {
+    "grpo": GRPO, "dapo": DAPO, "dr_grpo": DR_GRPO, "gspo": GSPO, "bnpo": BNPO, "cispo": CISPO,
+}
+DYNAMIC_SAMPLING = {"dapo"}  # presets that drop zero-variance groups (DAPO's dynamic sampling)
 
 
 @dataclass(kw_only=True)
@@ -58,22 +79,37 @@ class AlgoConfig:
     """The RL algorithm: which paper's loss, its clip range, KL, reward scaling and masking (TRL names)."""
 
     loss_type: LossType = "grpo"
-    """Loss preset: grpo, dapo (clip-higher, token mean), dr_grpo (no std scaling of the length), gspo
-    (sequence-level ratio)."""
+    """Loss preset: grpo (sequence mean of token means), dapo (clip-higher 0.28, token mean, zero-variance
+    groups dropped), dr_grpo (token sum / max_completion_length), gspo (sequence-level ratio, clip 3e-4/4e-4),
+    bnpo (token mean), cispo (detached weight capped at --epsilon_high, 5.0, token mean)."""
+    importance_sampling_level: RatioLevel | None = None
+    """TRL's name: token (a ratio per token) or sequence (GSPO's, one per sequence; truncated IS then
+    weights each sequence by its likelihood ratio). None = the preset's (sequence for gspo)."""
     epsilon: float | None = None
     """Lower clip range of the ratio (None = the preset's: 0.2, or 3e-4 for gspo)."""
     epsilon_high: float | None = None
     """Upper clip range of the ratio (None = the preset's; for symmetric presets, --epsilon if set)."""
     beta: float = 0.0
     """KL coefficient to the frozen reference policy (k3 estimator); 0 = no reference model."""
+    use_bias_correction_kl: bool = True
+    """Multiply the KL term by the importance ratio (TRL's default, DeepSeek-V3.2: the unbiased reverse-KL
+    gradient; changes the KL gradient even on-policy). False = plain k3."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): also cap the ratio at delta when the advantage is negative; must
+    be > 1 + epsilon_high. None = off."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on the top this fraction of tokens by entropy (per micro-batch, as TRL;
+    0.2 recommended by arXiv:2506.01939); 1.0 = all tokens."""
+
     scale_rewards: RewardScale = "group"
     """Advantage scaling: group (divide by the group's reward std), batch (the batch's std), none."""
     num_iterations: int = 1
     """Optimizer passes over each batch of rollouts (PPO epochs; mu in the GRPO paper)."""
     mask_truncated_completions: bool = False
     """Exclude completions cut at --max_completion_length from the loss (DAPO overlong filtering)."""
-    drop_zero_variance_groups: bool = True
-    """Drop groups whose rewards are all equal: their advantages are zero (DAPO dynamic sampling)."""
+    drop_zero_variance_groups: bool | None = None
+    """Drop groups whose rewards are all equal (zero advantage; DAPO's dynamic sampling). None = the
+    preset's: on for dapo, off otherwise (as TRL, which never drops)."""
     tis_cap: float = 2.0
     """Cap of the truncated importance weight trainer/sampler: per token, or per sequence (the sequence's
     likelihood ratio, as TRL's sequence_truncate) for gspo; 0 = off."""
@@ -97,13 +133,25 @@ class AlgoConfig:
             raise ValueError(f"--tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
         if self.max_completion_length < 1:
             raise ValueError(f"--max_completion_length must be >= 1, got {self.max_completion_length}")
+        if self.importance_sampling_level not in (None, "token", "sequence"):
+            raise ValueError(f"--importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"--top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Whether zero-variance groups are dropped and the batch refilled (the preset's unless set)."""
+        if self.drop_zero_variance_groups is None:
+            return self.loss_type in DYNAMIC_SAMPLING
+        return self.drop_zero_variance_groups
 
 
 def loss_config(config: AlgoConfig) -> LossConfig:
-    """The preset of `config.loss_type` with --epsilon / --epsilon_high applied.
+    """The preset of `config.loss_type` with --epsilon / --epsilon_high and the other loss flags applied.
 
     A symmetric preset (GRPO, Dr. GRPO) stays symmetric when only --epsilon is given, as in TRL; an
-    asymmetric one (DAPO, GSPO) keeps its own upper clip.
+    asymmetric one (DAPO, GSPO) keeps its own upper clip, with a warning, as when only --epsilon_high is
+    given and the lower clip stays the preset's.
     Example: AlgoConfig(loss_type="grpo", epsilon=0.1) -> clip_low=0.1, clip_high=0.1
     """
     preset = PRESETS[config.loss_type]
@@ -111,4 +159,24 @@ def loss_config(config: AlgoConfig) -> LossConfig:
     clip_high = config.epsilon_high
     if clip_high is None:
         clip_high = clip_low if preset.clip_low == preset.clip_high else preset.clip_high
-    return dataclasses.replace(preset, clip_low=clip_low, clip_high=clip_high)
+    _warn_half_override(config, preset, clip_low, clip_high)
+    return dataclasses.replace(
+        preset, clip_low=clip_low, clip_high=clip_high, ratio_level=config.importance_sampling_level or preset.ratio_level,
+        delta=config.delta, kl_bias_correction=config.use_bias_correction_kl,
+    )  # fmt: skip
+
+
+def _warn_half_override(config: AlgoConfig, preset: LossConfig, clip_low: float, clip_high: float) -> None:
+    """One clip bound set, the other left at the preset's (not derived from the one set): say so."""
+    if (config.epsilon is None) == (config.epsilon_high is None):
+        return
+    if config.epsilon is not None and clip_high == preset.clip_high and preset.clip_low != preset.clip_high:
+        log.warning(
+            "--epsilon %s with --loss_type %s keeps the preset's upper clip %s; pass --epsilon_high to set it too",
+            clip_low, config.loss_type, clip_high,
+        )  # fmt: skip
+    elif config.epsilon_high is not None:
+        log.warning(
+            "--epsilon_high %s with --loss_type %s keeps the preset's lower clip %s; pass --epsilon to set it too",
+            clip_high, config.loss_type, clip_low,
+        )  # fmt: skip

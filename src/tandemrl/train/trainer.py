@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandemrl.algo.logprobs import logprobs_and_entropy
-from tandemrl.algo.loss import policy_loss, token_weights
+from tandemrl.algo.loss import combine_metrics, high_entropy_mask, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import TrainerConfig
@@ -72,10 +72,11 @@ class Trainer:
         if self.algo.num_iterations > 1:  # the ratio's denominator: the policy before this batch's steps
             for m, old in zip(micro, scored(self.plan.forward_model(self.model, self.policy_version))):
                 m.old_logprobs = old
-        metrics: dict[str, float] = {}
-        for _ in range(self.algo.num_iterations):
-            metrics = self._optimizer_step(micro, ref, counts, fresh_old=self.algo.num_iterations == 1)
-        return metrics
+        steps = [
+            self._optimizer_step(micro, ref, counts, fresh_old=self.algo.num_iterations == 1)
+            for _ in range(self.algo.num_iterations)
+        ]
+        return mean_over_iterations(steps)
 
     def _optimizer_step(self, micro: list[PackedBatch], ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
         model = self.plan.forward_model(self.model, self.policy_version)
@@ -86,8 +87,7 @@ class Trainer:
             loss, parts = self._micro_loss(model, m, None if ref is None else ref[i], counts, fresh_old=fresh_old)
             loss.backward()
             self.plan.after_backward()
-            for key, value in parts.items():  # summed on the device: the loop never waits for it
-                sums[key] = sums[key] + value if key in sums else value
+            combine_metrics(sums, parts)  # summed on the device (min / max for the extremes): the loop never waits
         values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
@@ -120,9 +120,15 @@ class Trainer:
             m.seq_index, m.loss_mask, aggregation=self.loss.aggregation, max_completion_length=self.algo.max_completion_length, **counts
         )  # [N]
         mean_weights = m.loss_mask.float() / counts["num_tokens"]  # [N]: per-token means over the step
+        sequence_means = token_weights(
+            m.seq_index, m.loss_mask, aggregation="seq_mean_token_mean", max_completion_length=1, **counts
+        )  # [N]: per-sequence means over the step (clip metrics at sequence level, as TRL)
+        keep = None
+        if self.algo.top_entropy_quantile < 1:
+            keep = high_entropy_mask(entropy, m.loss_mask, quantile=self.algo.top_entropy_quantile)  # [N]
         loss, metrics = policy_loss(
             m, logprobs, config=self.loss, weights=weights, ref_logprobs=ref, beta=self.algo.beta,
-            tis_cap=self.algo.tis_cap, metric_weights=mean_weights,
+            tis_cap=self.algo.tis_cap, metric_weights=mean_weights, sequence_metric_weights=sequence_means, keep=keep,
         )
         metrics["loss"] = loss.detach()
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
@@ -180,6 +186,17 @@ class Trainer:
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
         self.plan.invalidate()  # the masters changed under the compute weights
+
+
+def mean_over_iterations(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of num_iterations optimizer steps: means over them (as TRL logs), the last version and rate.
+
+    Example: [{"loss": 1.0, "policy_version": 1.0}, {"loss": 3.0, "policy_version": 2.0}] -> loss 2.0, version 2.0
+    """
+    last = steps[-1]
+    keys = {key for step in steps for key in step}  # a skipped step (non-finite loss) logs fewer keys
+    means = {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
+    return {**means, **{key: last[key] for key in ("policy_version", "learning_rate") if key in last}}
 
 
 def lr_factor(step: int, config: TrainerConfig, total_steps: int) -> float:

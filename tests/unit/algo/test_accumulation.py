@@ -64,7 +64,7 @@ def _accumulated(policy, old, ref, traces, advantages, config, max_tokens):
             ref_logprobs=ref_logprobs, beta=BETA, tis_cap=TIS_CAP,
         )
         loss.backward()
-        total, clipped = total + loss.detach(), clipped + metrics["clip_ratio"]
+        total, clipped = total + loss.detach(), clipped + metrics["clip_ratio/region_mean"]
     return total, len(plan), clipped
 
 

@@ -5,15 +5,20 @@ import pytest
 import torch
 
 from tandemrl.algo.loss import (
+    cispo_surrogate,
     clipped_surrogate,
+    combine_metrics,
+    high_entropy_mask,
     kl_k3,
     policy_loss,
     sequence_importance_weights,
-    sequence_level_ratio_logprobs,
+    sequence_log_ratio,
     token_weights,
     truncated_importance_weights,
 )
-from tandemrl.algo.presets import DAPO, GRPO, LossConfig
+import dataclasses
+
+from tandemrl.algo.presets import CISPO, DAPO, GRPO, LossConfig
 
 T, F = True, False
 
@@ -21,11 +26,11 @@ T, F = True, False
 def _surrogate(ratio: float, advantage: float, config: LossConfig) -> tuple[float, float, float]:
     """(loss, clipped, d loss / d logprob) of one token at `ratio`."""
     logprobs = torch.tensor([math.log(ratio)], requires_grad=True)
-    loss, clipped = clipped_surrogate(
+    loss, low, high = clipped_surrogate(
         logprobs, torch.zeros(1), torch.tensor([advantage]), clip_low=config.clip_low, clip_high=config.clip_high
     )
     loss.sum().backward()
-    return loss.item(), clipped.item(), logprobs.grad.item()
+    return loss.item(), (low + high).item(), logprobs.grad.item()
 
 
 @pytest.mark.parametrize(
@@ -71,13 +76,14 @@ def test_pessimistic_bound_keeps_gradient_when_ratio_moves_against_advantage():
     assert _surrogate(0.5, 1.0, GRPO) == pytest.approx((-0.5, 0.0, -0.5))
 
 
-def test_sequence_ratio_is_mean_log_ratio_of_trained_tokens_with_token_gradients():
+def test_sequence_ratio_is_mean_log_ratio_of_trained_tokens_with_its_full_gradient():
     logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
     old = torch.tensor([-1.1, -2.3, -0.9, 0.0])
-    out = sequence_level_ratio_logprobs(logprobs, old, torch.tensor([0, 0, 1, 1]), torch.tensor([T, T, T, F]))
+    out = sequence_log_ratio(logprobs, old, torch.tensor([0, 0, 1, 1]), torch.tensor([T, T, T, F]))
     torch.testing.assert_close(out, torch.tensor([0.2, 0.2, 0.4, 0.4]))  # the untrained token is left out
     (out * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    # d/d lp_0 of (1 * s_0 + 2 * s_0) with s_0 the mean of two tokens: 3 / 2; sequence 1 has one trained token
+    torch.testing.assert_close(logprobs.grad, torch.tensor([1.5, 1.5, 7.0, 0.0]))
 
 
 def test_gspo_token_loss_equals_sequence_level_objective_in_value_and_gradient():
@@ -104,7 +110,7 @@ def test_gspo_token_loss_equals_sequence_level_objective_in_value_and_gradient()
     expected.backward()
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(logprobs.grad, reference.grad)
-    assert metrics["clip_ratio"].item() == pytest.approx(0.5)  # half the (sequence-mean) weight is clipped
+    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(0.5)  # half the (sequence-mean) weight is clipped
 
 
 def test_kl_k3_hand_values_and_zero_at_reference():
@@ -143,7 +149,7 @@ def test_policy_loss_adds_tis_weighted_surrogate_and_beta_k3_kl():
     assert loss.item() == pytest.approx(0.5 * (-1.5 + 0.1 * kl0) + 0.5 * -1.0)
     assert metrics["kl"].item() == pytest.approx(0.5 * kl0)
     assert metrics["tis_weight"].item() == pytest.approx(1.25)
-    assert (metrics["clip_ratio"].item(), metrics["ratio"].item()) == pytest.approx((0.0, 1.0))
+    assert (metrics["clip_ratio/region_mean"].item(), metrics["ratio"].item()) == pytest.approx((0.0, 1.0))
 
 
 def test_untrained_positions_cannot_turn_the_loss_nan():
@@ -189,3 +195,75 @@ def test_gspo_with_tis_weights_each_sequence_by_its_own_sequence_weight():
     expected.backward()
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(logprobs.grad, reference.grad)
+
+
+def _one_sequence(advantages, old=None, behaviour=None):
+    n = len(advantages)
+    old = torch.zeros(n) if old is None else torch.tensor(old)
+    return SimpleNamespace(
+        loss_mask=torch.ones(n, dtype=torch.bool), old_logprobs=old,
+        behaviour_logprobs=old if behaviour is None else torch.tensor(behaviour),
+        advantages=torch.tensor(advantages), seq_index=torch.zeros(n, dtype=torch.long),
+    )  # fmt: skip
+
+
+def test_bias_corrected_kl_is_k3_times_the_ratio_with_its_gradient():
+    # TRL's use_bias_correction_kl: beta * k3 * r, r = exp(lp - old) differentiable even where it is 1
+    batch, ref = _one_sequence([0.0], old=[-1.0]), torch.tensor([-1.5])
+    for correction in (False, True):
+        logprobs = torch.tensor([-1.0], requires_grad=True)
+        config = dataclasses.replace(GRPO, kl_bias_correction=correction)
+        loss, _ = policy_loss(batch, logprobs, config=config, weights=torch.ones(1), ref_logprobs=ref, beta=1.0, tis_cap=0.0)
+        loss.backward()
+        k3, dk3 = math.exp(-0.5) + 0.5 - 1, -math.exp(-0.5) + 1  # value and d/d lp at lp = old = -1
+        assert loss.item() == pytest.approx(k3)
+        assert logprobs.grad.item() == pytest.approx(dk3 + (k3 if correction else 0.0))
+
+
+def test_delta_caps_the_ratio_of_a_negative_advantage():
+    # ratio 3, A = -1: plain clipping keeps -min(-3, -1.2) = 3; delta 2 caps it at 2 (INTELLECT-2)
+    for delta, expected in ((None, 3.0), (2.0, 2.0)):
+        loss, low, high = clipped_surrogate(
+            torch.tensor([math.log(3.0)]), torch.zeros(1), torch.tensor([-1.0]), clip_low=0.2, clip_high=0.2, delta=delta
+        )
+        assert loss.item() == pytest.approx(expected) and (low.item(), high.item()) == (0.0, 0.0)
+
+
+def test_cispo_keeps_the_gradient_of_capped_tokens_with_a_detached_weight():
+    logprobs = torch.tensor([-1.0, -1.0], requires_grad=True)
+    loss, clipped = cispo_surrogate(logprobs, torch.tensor([math.log(3.0), 0.0]), torch.tensor([1.0, 1.0]), clip_high=2.0)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.detach(), torch.tensor([2.0, 1.0]))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([-2.0, -1.0]))  # capped, yet it still gets gradient
+    assert clipped.tolist() == [1.0, 0.0]
+    _, metrics = policy_loss(_one_sequence([1.0]), torch.zeros(1), config=CISPO, weights=torch.ones(1), ref_logprobs=None, beta=0.0, tis_cap=0.0)
+    assert "cispo_clip_ratio" in metrics and "clip_ratio/region_mean" not in metrics
+
+
+def test_clip_metrics_have_trl_names_and_per_sequence_extremes():
+    # sequence 0: tokens at ratio 1.5 (A > 0, high-clipped) and 1.0; sequence 1: ratio 0.5 with A < 0 (low-clipped)
+    batch = SimpleNamespace(
+        loss_mask=torch.tensor([T, T, T]), old_logprobs=torch.zeros(3), behaviour_logprobs=torch.zeros(3),
+        advantages=torch.tensor([1.0, 1.0, -1.0]), seq_index=torch.tensor([0, 0, 1]),
+    )  # fmt: skip
+    logprobs = torch.tensor([math.log(1.5), 0.0, math.log(0.5)])
+    mean = torch.full((3,), 1 / 3)
+    _, m = policy_loss(batch, logprobs, config=GRPO, weights=mean, ref_logprobs=None, beta=0.0, tis_cap=0.0)
+    got = {k: round(v.item(), 6) for k, v in m.items() if k.startswith("clip_ratio/")}
+    assert got == {
+        "clip_ratio/low_mean": round(1 / 3, 6), "clip_ratio/high_mean": round(1 / 3, 6),
+        "clip_ratio/region_mean": round(2 / 3, 6), "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 0.5,
+    }  # fmt: skip
+
+
+def test_combine_metrics_sums_means_and_keeps_extremes():
+    total = combine_metrics({}, {"loss": 1.0, "clip_ratio/low_min": 0.5, "clip_ratio/high_max": 0.1})
+    combine_metrics(total, {"loss": 2.0, "clip_ratio/low_min": 0.2, "clip_ratio/high_max": 0.4})
+    assert total == {"loss": 3.0, "clip_ratio/low_min": 0.2, "clip_ratio/high_max": 0.4}
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_trained_tokens():
+    entropy, mask = torch.tensor([0.1, 0.9, 0.5, 0.3, 2.0]), torch.tensor([T, T, T, T, F])
+    assert high_entropy_mask(entropy, mask, quantile=0.5).tolist() == [F, T, T, F, F]
+    assert high_entropy_mask(entropy, mask, quantile=1.0).tolist() == [T, T, T, T, F]
+    assert high_entropy_mask(entropy, mask, quantile=0.0).tolist() == [F, T, F, F, F]

@@ -1,14 +1,16 @@
+import dataclasses
+import logging
+
 import pytest
 
-from tandemrl.algo.presets import DAPO, DR_GRPO, GRPO, GSPO, AlgoConfig, LossConfig, loss_config
+from tandemrl.algo.presets import BNPO, CISPO, DAPO, DR_GRPO, GRPO, GSPO, AlgoConfig, LossConfig, loss_config
 from tandemrl.cli.args import field_docs
 
 
 def test_each_loss_type_picks_its_paper_preset():
-    assert loss_config(AlgoConfig(loss_type="grpo")) == GRPO
-    assert loss_config(AlgoConfig(loss_type="dapo")) == DAPO
-    assert loss_config(AlgoConfig(loss_type="dr_grpo")) == DR_GRPO
-    assert loss_config(AlgoConfig(loss_type="gspo")) == GSPO
+    for name, preset in [("grpo", GRPO), ("dapo", DAPO), ("dr_grpo", DR_GRPO), ("gspo", GSPO), ("bnpo", BNPO), ("cispo", CISPO)]:
+        config = loss_config(AlgoConfig(loss_type=name, use_bias_correction_kl=False))
+        assert config == preset, name
     assert (DAPO.clip_high, DAPO.aggregation) == (0.28, "token_mean")
     assert (GSPO.clip_low, GSPO.clip_high, GSPO.ratio_level) == (3e-4, 4e-4, "sequence")
 
@@ -69,3 +71,40 @@ def test_algo_flags_parse_into_a_config():
     assert (config.loss_type, config.epsilon_high, config.beta, config.epsilon) == ("dapo", 0.3, 0.04, None)
     with pytest.raises(SystemExit):
         parser.parse_args(["--loss_type", "ppo"])  # choices come from the Literal
+
+
+def test_bias_corrected_kl_is_on_by_default_as_trl():
+    assert AlgoConfig().use_bias_correction_kl and loss_config(AlgoConfig()).kl_bias_correction
+    assert "TRL's default" in field_docs(AlgoConfig)["use_bias_correction_kl"]
+
+
+def test_importance_sampling_level_overrides_the_preset():
+    assert loss_config(AlgoConfig(loss_type="dapo", importance_sampling_level="sequence")).ratio_level == "sequence"
+    assert loss_config(AlgoConfig(loss_type="gspo", importance_sampling_level="token")).ratio_level == "token"
+
+
+def test_zero_variance_groups_are_dropped_only_by_the_dapo_preset_unless_set():
+    assert [AlgoConfig(loss_type=t).dynamic_sampling for t in ("grpo", "dr_grpo", "gspo", "bnpo", "cispo")] == [False] * 5
+    assert AlgoConfig(loss_type="dapo").dynamic_sampling
+    assert not AlgoConfig(loss_type="dapo", drop_zero_variance_groups=False).dynamic_sampling
+    assert AlgoConfig(loss_type="grpo", drop_zero_variance_groups=True).dynamic_sampling
+
+
+@pytest.mark.parametrize(
+    "kwargs, warned",
+    [
+        ({"loss_type": "dapo", "epsilon": 0.1}, "keeps the preset's upper clip 0.28"),
+        ({"loss_type": "gspo", "epsilon_high": 5e-4}, "keeps the preset's lower clip 0.0003"),
+        ({"loss_type": "grpo", "epsilon": 0.1}, None),  # symmetric: the upper clip follows, nothing kept
+        ({"loss_type": "dapo", "epsilon": 0.1, "epsilon_high": 0.3}, None),
+    ],
+)
+def test_one_clip_bound_overridden_with_the_other_the_presets_warns(kwargs, warned, caplog):
+    with caplog.at_level(logging.WARNING, logger="tandemrl.algo.presets"):
+        loss_config(AlgoConfig(**kwargs))
+    assert (warned in caplog.text) if warned else not caplog.text
+
+
+def test_delta_must_exceed_the_upper_clip():
+    with pytest.raises(ValueError, match="--delta must be > 1 \\+ epsilon_high"):
+        dataclasses.replace(GRPO, delta=1.1)

@@ -10,7 +10,7 @@ import torch
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.tasks.tiny import build_model, build_tokenizer
 from tandemrl.train.config import TrainerConfig
-from tandemrl.train.trainer import Trainer, lr_factor
+from tandemrl.train.trainer import Trainer, lr_factor, mean_over_iterations
 from tandemrl.types import Batch, Completion, Example, Group, Rollout, TokenTrace
 
 
@@ -41,7 +41,7 @@ def train_once(max_tokens: int, loss_type: str, **algo) -> dict[str, torch.Tenso
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_microbatches_give_the_gradient_of_one_big_batch(loss_type):
     big, small = train_once(10_000, loss_type), train_once(12, loss_type)
     assert any(g.abs().max() > 1e-4 for g in big.values())
@@ -54,7 +54,7 @@ def test_each_iteration_is_one_optimizer_step_and_one_version():
     trainer = Trainer(TrainerConfig(learning_rate=1e-3), AlgoConfig(num_iterations=3), build_model(tokenizer), max_steps=5)
     metrics = trainer.train_step(make_batch())
     assert trainer.policy_version == 3 and metrics["policy_version"] == 3.0
-    assert 0.0 <= metrics["clip_ratio"] <= 1.0 and metrics["entropy"] > 0
+    assert 0.0 <= metrics["clip_ratio/region_mean"] <= 1.0 and metrics["entropy"] > 0
 
 
 def test_kl_to_reference_is_zero_before_the_first_step_and_positive_after():
@@ -111,3 +111,18 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_with_the_reason
     with pytest.raises(ValueError, match="2 optimizer steps in a row had a non-finite loss"):
         trainer.train_step(poisoned)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_metrics_of_several_iterations_are_their_means_as_trl_logs_them():
+    steps = [
+        {"loss": 1.0, "clip_ratio/high_max": 0.2, "policy_version": 1.0, "learning_rate": 1e-3},
+        {"loss": 3.0, "clip_ratio/high_max": 0.4, "policy_version": 2.0, "learning_rate": 5e-4},
+    ]
+    assert mean_over_iterations(steps) == pytest.approx(
+        {"loss": 2.0, "clip_ratio/high_max": 0.3, "policy_version": 2.0, "learning_rate": 5e-4}
+    )
+
+
+def test_top_entropy_quantile_trains_fewer_tokens():
+    full, top = train_once(10_000, "grpo"), train_once(10_000, "grpo", top_entropy_quantile=0.2)
+    assert any(not torch.allclose(full[k], top[k]) for k in full)

@@ -289,7 +289,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         num_prompts_per_step=config.data.num_prompts_per_step,
         num_generations=config.data.num_generations,
         scale_rewards=config.algo.scale_rewards,
-        drop_zero_variance_groups=config.algo.drop_zero_variance_groups,
+        drop_zero_variance_groups=config.algo.dynamic_sampling,
         seed=config.run.seed,
         sleep_level=config.generation.sleep_level,
         log_completions_steps=config.log.log_completions_steps,

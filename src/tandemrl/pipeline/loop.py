@@ -172,11 +172,20 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
         g.advantages = adv
     metrics.update(reward_metrics(ok))
     metrics.update(turn_metrics(ok))
-    metrics["frac_reward_zero_std"] = float(flat.float().mean())
+    metrics["frac_reward_zero_std"] = frac_zero_std(rewards, flat, settings.scale_rewards)
     metrics["rewards/num_unscorable"] = float(rewards.isnan().sum())
     metrics["rollout/max_policy_lag"] = float(max_policy_lag(ok, version))
     trained = [g for g, f in zip(ok, flat.tolist()) if not (f and settings.drop_zero_variance_groups)]
     return Batch(groups=trained, policy_version=version), metrics
+
+
+def frac_zero_std(rewards: torch.Tensor, flat: torch.Tensor, scale: str) -> float:
+    """TRL's frac_reward_zero_std: the fraction of rollouts whose scaling std is 0, so it follows
+    --scale_rewards: the group's std (group, none) or the batch's (batch: 0.0 or 1.0)."""
+    if scale == "batch":
+        std = nan_std(rewards.flatten(), dim=0)
+        return float(torch.isclose(std, torch.zeros_like(std)).all())
+    return float(flat.double().mean())
 
 
 def reward_matrix(groups: list[Group]) -> torch.Tensor:
@@ -207,7 +216,7 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
         values = torch.tensor([r.rewards[name] for r in rollouts if r.rewards[name] is not None], dtype=torch.float64)
         if values.numel():
             metrics[f"rewards/{name}/mean"] = float(values.mean())
-            metrics[f"rewards/{name}/std"] = float(values.std(unbiased=False))
+            metrics[f"rewards/{name}/std"] = float(nan_std(values, dim=0))  # Bessel-corrected, as TRL
     return metrics
 
 

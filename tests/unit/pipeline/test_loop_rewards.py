@@ -31,3 +31,25 @@ def test_unscorable_rollout_gets_zero_advantage_and_stays_out_of_the_baseline() 
     assert metrics["rewards/num_unscorable"] == 1.0
     assert metrics["reward"] == pytest.approx(1 / 3)
     assert metrics["reward_std"] == pytest.approx(math.sqrt(1 / 3))  # Bessel-corrected std of [1, 0, 0]
+
+
+@pytest.mark.parametrize("scale, expected", [("group", 0.5), ("none", 0.5), ("batch", 0.0)])
+def test_frac_reward_zero_std_follows_scale_rewards_as_trl(scale, expected) -> None:
+    _, metrics = _batch([group(1.0, 1.0), group(1.0, 0.0)], settings(scale_rewards=scale), version=0)
+    assert metrics["frac_reward_zero_std"] == expected
+    _, metrics = _batch([group(1.0, 1.0), group(1.0, 1.0)], settings(scale_rewards=scale), version=0)
+    assert metrics["frac_reward_zero_std"] == 1.0
+
+
+def test_zero_variance_groups_are_kept_unless_dropping_is_asked() -> None:
+    groups = [group(1.0, 1.0), group(1.0, 0.0)]
+    assert len(_batch(groups, settings(), version=0)[0].groups) == 2
+    assert len(_batch(groups, settings(drop_zero_variance_groups=True), version=0)[0].groups) == 1
+
+
+def test_per_function_reward_std_is_bessel_corrected() -> None:
+    g = group(1.0, 0.0, 0.0)
+    for r in g.rollouts:
+        r.rewards = {"acc": r.reward}
+    _, metrics = _batch([g], settings(), version=0)
+    assert metrics["rewards/acc/std"] == pytest.approx(math.sqrt(1 / 3))

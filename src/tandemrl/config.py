@@ -28,7 +28,15 @@ class RunConfig:
     model: str = ""
     """Policy: a Hugging Face id or local directory (any causal LM), or tandem:tiny (built in code)."""
     max_steps: int = 150
-    """Optimizer steps to run."""
+    """Optimizer steps to run (--num_train_epochs, when set, decides instead)."""
+    num_train_epochs: float | None = None
+    """TRL's name: passes over the dataset; sets the steps to ceil(epochs x examples / --num_prompts_per_step).
+    None = --max_steps decides."""
+    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """TRL's name: keyword arguments of AutoModelForCausalLM.from_pretrained, as JSON on the command line,
+    e.g. '{"revision": "main"}' (dtype is --dtype's; attention runs on sdpa)."""
+    trust_remote_code: bool = False
+    """TRL's name: allow models and tokenizers that ship their own Python code from the hub."""
     seed: int = 0
     """Seed of everything: data order, sampling, init of built-in models."""
 
@@ -51,6 +59,9 @@ class DataConfig:
     """Groups (distinct prompts) per optimizer step."""
     num_generations: int = 8
     """Rollouts per prompt: the group size G."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """TRL's name: keyword arguments of the tokenizer's apply_chat_template for message prompts, as JSON on
+    the command line, e.g. '{"enable_thinking": false}' for Qwen3."""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:

@@ -91,6 +91,13 @@ class AlgoConfig:
     """Upper clip range of the ratio (None = the preset's; for symmetric presets, --epsilon if set)."""
     beta: float = 0.0
     """KL coefficient to the frozen reference policy (k3 estimator); 0 = no reference model."""
+    sync_ref_model: bool = False
+    """TRL's name (TR-DPO, arXiv:2404.09656): every --ref_model_sync_steps optimizer steps the reference
+    becomes alpha x policy + (1 - alpha) x reference. Needs --beta > 0."""
+    ref_model_mixup_alpha: float = 0.6
+    """TRL's name: alpha of --sync_ref_model's mix (1.0 = copy the policy)."""
+    ref_model_sync_steps: int = 512
+    """TRL's name: optimizer steps between --sync_ref_model updates."""
     use_bias_correction_kl: bool = True
     """Multiply the KL term by the importance ratio (TRL's default, DeepSeek-V3.2: the unbiased reverse-KL
     gradient; changes the KL gradient even on-policy). False = plain k3."""
@@ -135,6 +142,10 @@ class AlgoConfig:
             raise ValueError(f"--max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.importance_sampling_level not in (None, "token", "sequence"):
             raise ValueError(f"--importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("--sync_ref_model needs a reference model: set --beta > 0 too")
+        if not 0 < self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
+            raise ValueError("--ref_model_mixup_alpha must be in (0, 1] and --ref_model_sync_steps >= 1")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"--top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
 

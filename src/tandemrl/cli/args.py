@@ -86,7 +86,22 @@ def _parser_for(tp: Any) -> tuple[Any, dict[str, Any]]:
         return kind, {**extra, "nargs": "*"}
     if tp in (int, float, str):
         return tp, {"metavar": {int: "INT", float: "FLOAT", str: "TEXT"}[tp]}
+    if tp is dict or origin is dict:
+        return _json_object, {"metavar": "JSON"}
     return str, {"metavar": "TEXT"}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict flag's value: a JSON object. Example: '{"enable_thinking": false}' -> {"enable_thinking": False}."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}")
+    return value
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None, notes: dict[str, str] | None = None) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ def run(config: TrainConfig) -> Path:
     _check_conversation_length(config, model)
     task = _task(config)
     examples = _data(config, task)
+    config = with_epochs(config, len(examples))
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature)
@@ -176,7 +178,21 @@ def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
 
         tokenizer = build_tokenizer()
         return tokenizer, build_model(tokenizer, seed=config.run.seed).to(device=device, dtype=dtype)
-    return load_tokenizer(source), load_model(source, dtype=dtype, device=device)
+    trust = config.run.trust_remote_code
+    model = load_model(source, dtype=dtype, device=device, trust_remote_code=trust, **config.run.model_init_kwargs)
+    return load_tokenizer(source, trust_remote_code=trust), model
+
+
+def with_epochs(config: TrainConfig, num_examples: int) -> TrainConfig:
+    """--num_train_epochs, when set, decides the steps: ceil(epochs x examples / prompts per step).
+
+    Example: 2 epochs of 100 examples at 16 prompts per step -> max_steps 13
+    """
+    epochs = config.run.num_train_epochs
+    if epochs is None:
+        return config
+    steps = max(1, math.ceil(epochs * num_examples / config.data.num_prompts_per_step))
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, max_steps=steps))
 
 
 def _check_conversation_length(config: TrainConfig, model: Any) -> None:
@@ -210,7 +226,7 @@ def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, to
     """Every prompt in tokens, with the tools' schemas when there are tools (known once MCP servers answer)."""
     prompt_ids = []
     for example in examples:
-        ids = encode_prompt(tokenizer, example.prompt, tools=tools)
+        ids = encode_prompt(tokenizer, example.prompt, tools=tools, **config.data.chat_template_kwargs)
         check_prompt_length(ids, config.data.max_prompt_length, example.index)
         prompt_ids.append(ids)
     return prompt_ids

@@ -11,12 +11,12 @@ from typing import Any
 from tandemrl.types import Message
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[Message], *, tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str | list[Message], *, tools: list[dict] | None = None, **chat_template_kwargs: Any) -> list[int]:
     """Token ids of one prompt, ready for generation.
 
     A string gets no special tokens added (as TRL does); messages get the chat template with the
-    assistant turn opened (`add_generation_prompt=True`) and the `tools` schemas, if any, shown as the
-    template shows them.
+    assistant turn opened (`add_generation_prompt=True`), the `tools` schemas, if any, shown as the
+    template shows them, and `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False) passed to it.
     Example (ChatML): [{"role": "user", "content": "hi"}] -> ids of "<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"
     """
     if isinstance(prompt, str):
@@ -26,7 +26,7 @@ def encode_prompt(tokenizer: Any, prompt: str | list[Message], *, tools: list[di
             "the tokenizer has no chat template, so chat-message prompts cannot be encoded; "
             "use a model with a chat template (an -Instruct model) or give plain string prompts"
         )
-    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True, **chat_template_kwargs)
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -33,12 +36,12 @@ def _check_source(name: str) -> None:
         raise FileNotFoundError(f"model directory {name!r} does not exist; pass an existing directory or a hub id")
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     _check_source(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name))
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name), trust_remote_code=trust_remote_code)
     except OSError as error:
         raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {str(error).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
@@ -46,13 +49,18 @@ def load_tokenizer(name: str) -> Any:
     return tokenizer
 
 
-def load_model(name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+def load_model(name: str, *, dtype: torch.dtype, device: torch.device, **init_kwargs: Any) -> Any:
+    """A causal LM in `dtype` on `device`; `init_kwargs` go to from_pretrained (TRL's model_init_kwargs)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     _check_source(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=dtype, attn_implementation="sdpa")
+        ignored = {k: init_kwargs.pop(k) for k in ("dtype", "torch_dtype") if k in init_kwargs}
+        if ignored:
+            log.warning("model_init_kwargs %s ignored: the policy's dtype is --dtype's (%s)", ignored, dtype)
+        kwargs = {"attn_implementation": "sdpa", **init_kwargs, "dtype": dtype}
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), **kwargs)
     except OSError as error:
         raise FileNotFoundError(f"cannot load a causal LM from {name!r}: {str(error).splitlines()[0]}") from None
     except SafetensorError as error:  # a truncated or corrupt weights file

@@ -20,6 +20,8 @@ class TrainerConfig:
     """AdamW beta2."""
     warmup_steps: int = 0
     """Linear warm-up steps from 0 to the peak learning rate."""
+    warmup_ratio: float = 0.0
+    """TRL's name: warm-up as a fraction of all optimizer steps (ceil); --warmup_steps wins when > 0."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """After warm-up: constant, linear (to 0 at max_steps) or cosine (to 0 at max_steps)."""
     max_grad_norm: float = 1.0
@@ -44,6 +46,9 @@ class TrainerConfig:
     optimizer step; gradients accumulate in float32."""
     device: str = "auto"
     """Training device: auto (cuda if present), cpu or cuda."""
+    disable_dropout: bool = True
+    """TRL's name: set every dropout of the policy (and reference) to 0, so the logprobs of training equal
+    those of sampling. On by default here (TRL's default is off)."""
 
     def __post_init__(self) -> None:
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
@@ -54,6 +59,8 @@ class TrainerConfig:
             raise ValueError("--max_skipped_steps must be >= 1")
         if self.max_tokens_per_microbatch < 0:
             raise ValueError("--max_tokens_per_microbatch must be >= 0 (0 = chosen from free memory)")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclass(kw_only=True)

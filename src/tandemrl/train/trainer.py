@@ -43,6 +43,8 @@ class Trainer:
         self.num_skipped_steps = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
+        if config.disable_dropout:
+            disable_dropout(model)
         self.plan: ForwardPlan = forward_plan(config, model)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
@@ -97,6 +99,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.policy_version += 1
+        if self.algo.sync_ref_model and self.policy_version % self.algo.ref_model_sync_steps == 0:
+            mix_into(self.reference, self.model, alpha=self.algo.ref_model_mixup_alpha)
         return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
 
     def _skip_step(self, sums: dict[str, float], grad_norm: float) -> dict[str, float]:
@@ -188,6 +192,22 @@ class Trainer:
         self.plan.invalidate()  # the masters changed under the compute weights
 
 
+def disable_dropout(model: Any) -> None:
+    """Every dropout of `model` to 0, attention dropout included (TRL's disable_dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+@torch.no_grad()
+def mix_into(reference: Any, model: Any, *, alpha: float) -> None:
+    """reference <- alpha * model + (1 - alpha) * reference, parameter by parameter (TR-DPO's soft update)."""
+    for ref, new in zip(reference.parameters(), model.parameters()):
+        ref.lerp_(new.to(ref.dtype), alpha)
+
+
 def mean_over_iterations(steps: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of num_iterations optimizer steps: means over them (as TRL logs), the last version and rate.
 
@@ -202,11 +222,13 @@ def mean_over_iterations(steps: list[dict[str, float]]) -> dict[str, float]:
 def lr_factor(step: int, config: TrainerConfig, total_steps: int) -> float:
     """Multiplier of the peak learning rate at optimizer step `step`: linear warm-up, then the schedule.
 
+    Warm-up lasts --warmup_steps, else ceil(--warmup_ratio x total_steps).
     Example: warmup_steps=2, constant -> step 0: 0.5, 1: 1.0, 2: 1.0
     """
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
     if config.lr_scheduler_type == "linear":
         return max(0.0, 1.0 - progress)
     if config.lr_scheduler_type == "cosine":

@@ -83,3 +83,59 @@ def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(message)):
             parse(["--config", str(bad)])
+
+
+TRL_YAML = """
+loss_type: dapo
+beta: 0.04
+epsilon: 0.2
+epsilon_high: 0.28
+delta: 1.5
+importance_sampling_level: sequence
+use_bias_correction_kl: false
+top_entropy_quantile: 0.2
+num_generations: 4
+max_completion_length: 64
+learning_rate: 1.0e-6
+warmup_ratio: 0.1
+num_train_epochs: 2
+disable_dropout: true
+sync_ref_model: true
+ref_model_mixup_alpha: 0.9
+ref_model_sync_steps: 64
+trust_remote_code: false
+model_init_kwargs: {revision: main}
+chat_template_kwargs: {enable_thinking: false}
+"""
+
+
+def test_a_yaml_written_for_trl_grpo_config_runs_unchanged(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(TRL_YAML)
+    config, _ = parse(["--config", str(path)])
+    assert (config.algo.loss_type, config.algo.delta, config.algo.importance_sampling_level) == ("dapo", 1.5, "sequence")
+    assert config.data.chat_template_kwargs == {"enable_thinking": False}
+    assert config.run.model_init_kwargs == {"revision": "main"} and config.run.num_train_epochs == 2
+    assert (config.trainer.warmup_ratio, config.algo.ref_model_sync_steps) == (0.1, 64)
+
+
+def test_unknown_trl_keys_are_one_error_naming_each(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(TRL_YAML + "use_liger_kernel: true\nvllm_mode: server\n")
+    with pytest.raises(ValueError, match="unknown setting\\(s\\) use_liger_kernel, vllm_mode"):
+        parse(["--config", str(path)])
+
+
+def test_dict_flags_take_json_objects():
+    config, _ = parse(["--chat_template_kwargs", '{"enable_thinking": false}'])
+    assert config.data.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        parse(["--chat_template_kwargs", "enable_thinking=false"])
+
+
+def test_num_train_epochs_decides_the_steps():
+    from tandemrl.cli.build import with_epochs
+
+    config, _ = parse(["--num_train_epochs", "2", "--num_prompts_per_step", "16"])
+    assert with_epochs(config, 100).run.max_steps == 13
+    assert with_epochs(parse([])[0], 100).run.max_steps == parse([])[0].run.max_steps

@@ -24,6 +24,14 @@ def test_messages_go_through_the_chat_template_with_the_assistant_turn_open(tiny
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
 
 
+def test_chat_template_kwargs_reach_the_template(tiny_tokenizer) -> None:
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %} /no_think{% endif %}"
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenizer.decode(encode_prompt(tokenizer, messages)) == "hi"
+    assert tokenizer.decode(encode_prompt(tokenizer, messages, enable_thinking=False)) == "hi /no_think"
+
+
 def test_messages_without_a_chat_template_say_the_fix(tiny_tokenizer) -> None:
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = None

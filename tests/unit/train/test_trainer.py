@@ -10,7 +10,7 @@ import torch
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.tasks.tiny import build_model, build_tokenizer
 from tandemrl.train.config import TrainerConfig
-from tandemrl.train.trainer import Trainer, lr_factor, mean_over_iterations
+from tandemrl.train.trainer import Trainer, disable_dropout, lr_factor, mean_over_iterations, mix_into
 from tandemrl.types import Batch, Completion, Example, Group, Rollout, TokenTrace
 
 
@@ -126,3 +126,30 @@ def test_metrics_of_several_iterations_are_their_means_as_trl_logs_them():
 def test_top_entropy_quantile_trains_fewer_tokens():
     full, top = train_once(10_000, "grpo"), train_once(10_000, "grpo", top_entropy_quantile=0.2)
     assert any(not torch.allclose(full[k], top[k]) for k in full)
+
+
+def test_warmup_ratio_is_a_fraction_of_all_steps_and_warmup_steps_wins():
+    assert [lr_factor(s, TrainerConfig(warmup_ratio=0.25), 8) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(0, TrainerConfig(warmup_ratio=0.25, warmup_steps=4), 8) == 0.25
+
+
+def test_disable_dropout_zeroes_every_dropout():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3))
+    model[0].attention_dropout = 0.1
+    disable_dropout(model)
+    assert model[1].p == 0.0 and model[0].attention_dropout == 0.0
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps():
+    tokenizer = build_tokenizer()
+    algo = AlgoConfig(beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2), algo, build_model(tokenizer, seed=1), max_steps=4)
+    before = [p.clone() for p in trainer.reference.parameters()]
+    trainer.train_step(make_batch())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.reference.parameters()))  # 1 step: not yet
+    trainer.train_step(make_batch(seed=1))
+    for old, ref, new in zip(before, trainer.reference.parameters(), trainer.model.parameters()):
+        torch.testing.assert_close(ref, 0.5 * old + 0.5 * new)
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    mix_into(a, b, alpha=1.0)
+    assert torch.equal(a.weight, b.weight)

@@ -59,6 +59,15 @@ class DataConfig:
     """Groups (distinct prompts) per optimizer step."""
     num_generations: int = 8
     """Rollouts per prompt: the group size G."""
+    eval_dataset: str = ""
+    """Evaluation prompts, as --dataset (with --task: that task's data format); empty = no evaluation."""
+    eval_dataset_split: str = "test"
+    """Split of a hub or saved --eval_dataset."""
+    eval_steps: int = 50
+    """TRL's name: evaluate every this many steps (and after the last) when --eval_dataset is given; the
+    metrics are the training ones prefixed eval_ (eval_reward, eval_rewards/<fn>/mean, ...), same sinks."""
+    num_generations_eval: int | None = None
+    """TRL's name: completions per eval prompt (None = --num_generations)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """TRL's name: keyword arguments of the tokenizer's apply_chat_template for message prompts, as JSON on
     the command line, e.g. '{"enable_thinking": false}' for Qwen3."""
@@ -68,6 +77,8 @@ class DataConfig:
             raise ValueError(f"--num_generations must be >= 2 for group-relative advantages, got {self.num_generations}")
         if self.num_prompts_per_step < 1:
             raise ValueError(f"--num_prompts_per_step must be >= 1, got {self.num_prompts_per_step}")
+        if self.eval_steps < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
+            raise ValueError("--eval_steps and --num_generations_eval must be >= 1")
 
 
 @dataclass(kw_only=True)

@@ -76,6 +76,26 @@ def test_local_model_and_dataset_with_chat_prompts_and_columns(tmp_path, tiny_mo
     assert {"rewards/length/mean", "rewards/math_accuracy/mean", "completions/mean_length"} <= last.keys()
 
 
+def test_a_trl_users_run_keyword_rewards_yaml_and_evaluation(tmp_path, tiny_model_dir):
+    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}], "solution": str(i)} for i in range(8)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    (tmp_path / "trl_rewards.py").write_text(
+        "def reward(completions, trainer_state, **kwargs):\n"
+        "    return [float(len(c[0]['content']) + trainer_state.global_step) for c in completions]\n"
+    )
+    (tmp_path / "grpo.yaml").write_text(
+        "loss_type: dapo\nbeta: 0.04\nwarmup_ratio: 0.5\nchat_template_kwargs: {enable_thinking: false}\n"
+        f"eval_dataset: {data}\neval_steps: 1\nnum_generations_eval: 2\n"
+    )
+    result = tandem(
+        "train", "--config", str(tmp_path / "grpo.yaml"), "--model", tiny_model_dir, "--dataset", data,
+        "--reward_funcs", f"{tmp_path / 'trl_rewards.py'}:reward", "--output_dir", str(tmp_path / "run"), "--max_steps", "2", *TINY,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = metrics(tmp_path / "run")
+    assert all({"eval_reward", "eval_rewards/reward/mean", "reward"} <= row.keys() for row in rows)
+
+
 def reward_file(tmp_path: Path, body: str) -> str:
     (tmp_path / "myrewards.py").write_text(body)
     return f"{tmp_path / 'myrewards.py'}:reward"

@@ -23,6 +23,7 @@ from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
 from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from tandemrl.pipeline.evaluate import EvalSet
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
 from tandemrl.rewards.base import RewardFunc, load_reward_funcs
 from tandemrl.rewards.judge import build_judge
@@ -51,6 +52,7 @@ def run(config: TrainConfig) -> Path:
     _check_conversation_length(config, model)
     task = _task(config)
     examples = _data(config, task)
+    evals = _eval_set(config)
     config = with_epochs(config, len(examples))
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
@@ -75,7 +77,7 @@ def run(config: TrainConfig) -> Path:
             num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
             heartbeat_s=config.log.heartbeat_s, watch=True,
         ),
-        run_dir=run_dir,
+        evals=evals, run_dir=run_dir,
     )
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
@@ -96,6 +98,8 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
         async with open_tool_env(config.tools) as env:  # MCP sessions: opened once, closed when the run ends
             tools = env.tools if env is not None else None
             parts.prompt_ids = _prompt_ids(config, parts.examples, parts.tokenizer, tools)
+            if parts.evals is not None:
+                parts.evals.prompt_ids = _prompt_ids(config, parts.evals.examples, parts.tokenizer, tools)
             if env is not None:
                 parts.multi_turn = MultiTurn(
                     env=env, chat=ChatFormat(parts.tokenizer, tools), max_turns=config.tools.max_turns,
@@ -220,6 +224,22 @@ def _data(config: TrainConfig, task: Task | None) -> list[Example]:
     if config.data.dataset:
         return load_examples(config.data.dataset, split=config.data.dataset_split)
     raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
+
+
+def _eval_set(config: TrainConfig) -> EvalSet | None:
+    """--eval_dataset's examples (in the task's format when there is a task; tokenized with the training
+    prompts, in _main), or None without one."""
+    d = config.data
+    if not d.eval_dataset:
+        return None
+    if config.run.task:
+        examples = get_task(config.run.task, data=d.eval_dataset, split=d.eval_dataset_split).load()
+    else:
+        examples = load_examples(d.eval_dataset, split=d.eval_dataset_split)
+    return EvalSet(
+        examples=examples, prompt_ids=[], eval_steps=d.eval_steps,
+        num_generations=d.num_generations_eval or d.num_generations,
+    )  # fmt: skip
 
 
 def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, tools: list[dict] | None) -> list[list[int]]:

@@ -25,6 +25,7 @@ from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
 from tandemrl.logging.metrics import MetricsLogger
 from tandemrl.logging.progress import Progress
+from tandemrl.pipeline.evaluate import EvalSet, evaluate
 from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState, score
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import MultiTurn, conversation_of
@@ -72,6 +73,7 @@ class LoopParts:
     progress: Progress
     run_dir: Path
     multi_turn: MultiTurn | None = None  # tools: rollouts play turns until the model stops calling them
+    evals: EvalSet | None = None
 
 
 async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int = 0) -> dict[str, float]:
@@ -83,6 +85,8 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
         batch, group_metrics = _batch(groups, settings, parts.trainer.policy_version)
         metrics = {**group_metrics, **times, **await _train_and_publish(parts, settings, batch)}
         metrics["step_time"] = time.perf_counter() - started
+        if parts.evals is not None and parts.evals.due(step + 1, settings.max_steps):
+            metrics.update(await evaluate(parts, parts.evals, step + 1, seed=settings.seed))
         parts.logger.log(step + 1, metrics)
         parts.progress.update(step + 1, metrics)
         _maybe_log_completions(parts, settings, step + 1, groups)

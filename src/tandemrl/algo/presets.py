@@ -71,7 +71,7 @@ CISPO = LossConfig(clip_low=0.2, clip_high=5.0, aggregation="token_mean", ratio_
 PRESETS: dict[str, LossConfig] = {
     "grpo": GRPO, "dapo": DAPO, "dr_grpo": DR_GRPO, "gspo": GSPO, "bnpo": BNPO, "cispo": CISPO,
 }
-DYNAMIC_SAMPLING = {"dapo"}  # presets that drop zero-variance groups (DAPO's dynamic sampling)
+DYNAMIC_SAMPLING = {"dapo"}  # presets that drop zero-variance groups and refill the batch (DAPO's dynamic sampling)
 
 
 @dataclass(kw_only=True)
@@ -79,8 +79,8 @@ class AlgoConfig:
     """The RL algorithm: which paper's loss, its clip range, KL, reward scaling and masking (TRL names)."""
 
     loss_type: LossType = "grpo"
-    """Loss preset: grpo (sequence mean of token means), dapo (clip-higher 0.28, token mean, zero-variance
-    groups dropped), dr_grpo (token sum / max_completion_length), gspo (sequence-level ratio, clip 3e-4/4e-4),
+    """Loss preset: grpo (sequence mean of token means), dapo (clip-higher 0.28, token mean, dynamic
+    sampling), dr_grpo (token sum / max_completion_length), gspo (sequence-level ratio, clip 3e-4/4e-4),
     bnpo (token mean), cispo (detached weight capped at --epsilon_high, 5.0, token mean)."""
     importance_sampling_level: RatioLevel | None = None
     """TRL's name: token (a ratio per token) or sequence (GSPO's, one per sequence; truncated IS then
@@ -115,8 +115,12 @@ class AlgoConfig:
     mask_truncated_completions: bool = False
     """Exclude completions cut at --max_completion_length from the loss (DAPO overlong filtering)."""
     drop_zero_variance_groups: bool | None = None
-    """Drop groups whose rewards are all equal (zero advantage; DAPO's dynamic sampling). None = the
-    preset's: on for dapo, off otherwise (as TRL, which never drops)."""
+    """Drop groups whose rewards are all equal (zero advantage) and refill the batch to
+    --num_prompts_per_step groups by sampling more prompts (DAPO's dynamic sampling). None = the preset's:
+    on for dapo, off otherwise (as TRL, which never drops)."""
+    max_dynamic_sampling_rounds: int = 3
+    """Dynamic sampling: at most this many extra rounds of --num_prompts_per_step prompts to refill a batch;
+    a batch still short after them trains on the groups it has (dynamic_sampling/rounds is logged)."""
     tis_cap: float = 2.0
     """Cap of the truncated importance weight trainer/sampler: per token, or per sequence (the sequence's
     likelihood ratio, as TRL's sequence_truncate) for gspo; 0 = off."""
@@ -146,6 +150,8 @@ class AlgoConfig:
             raise ValueError("--sync_ref_model needs a reference model: set --beta > 0 too")
         if not 0 < self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
             raise ValueError("--ref_model_mixup_alpha must be in (0, 1] and --ref_model_sync_steps >= 1")
+        if self.max_dynamic_sampling_rounds < 0:
+            raise ValueError(f"--max_dynamic_sampling_rounds must be >= 0, got {self.max_dynamic_sampling_rounds}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"--top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
 

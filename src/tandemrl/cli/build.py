@@ -326,6 +326,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         num_generations=config.data.num_generations,
         scale_rewards=config.algo.scale_rewards,
         drop_zero_variance_groups=config.algo.dynamic_sampling,
+        max_dynamic_sampling_rounds=config.algo.max_dynamic_sampling_rounds,
         seed=config.run.seed,
         sleep_level=config.generation.sleep_level,
         log_completions_steps=config.log.log_completions_steps,

@@ -46,6 +46,7 @@ class LoopSettings:
     num_generations: int
     scale_rewards: str
     drop_zero_variance_groups: bool
+    max_dynamic_sampling_rounds: int = 3
     seed: int
     sleep_level: int
     log_completions_steps: int
@@ -82,6 +83,8 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     for step in range(start_step, settings.max_steps):
         started = time.perf_counter()
         groups, times = await _generate_and_score(parts, settings, step)
+        if settings.drop_zero_variance_groups:
+            groups, times = await _refill(parts, settings, step, groups, times)
         batch, group_metrics = _batch(groups, settings, parts.trainer.policy_version)
         metrics = {**group_metrics, **times, **await _train_and_publish(parts, settings, batch)}
         metrics["step_time"] = time.perf_counter() - started
@@ -96,11 +99,35 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     return metrics
 
 
-async def _generate_and_score(parts: LoopParts, settings: LoopSettings, step: int) -> tuple[list[Group], dict[str, float]]:
+async def _refill(
+    parts: LoopParts, settings: LoopSettings, step: int, groups: list[Group], times: dict[str, float]
+) -> tuple[list[Group], dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): sample more prompts, P at a time, until
+    P groups with reward variance are in hand or --max_dynamic_sampling_rounds extra rounds are spent."""
+    rounds = 0
+    while _num_informative(groups) < settings.num_prompts_per_step and rounds < settings.max_dynamic_sampling_rounds:
+        rounds += 1
+        more, more_times = await _generate_and_score(parts, settings, step, round_=rounds)
+        groups = groups + more
+        times = {key: times[key] + more_times[key] for key in times}
+    times["dynamic_sampling/rounds"] = float(rounds)
+    times["dynamic_sampling/num_groups_sampled"] = float(len(groups))
+    return groups, times
+
+
+def _num_informative(groups: list[Group]) -> int:
+    """Groups that will train: generated, scored, rewards not all equal."""
+    ok = [g for g in groups if not failed(g)]
+    return int((~zero_variance_groups(reward_matrix(ok))).sum()) if ok else 0
+
+
+async def _generate_and_score(
+    parts: LoopParts, settings: LoopSettings, step: int, *, round_: int = 0
+) -> tuple[list[Group], dict[str, float]]:
     t0 = time.perf_counter()
     parts.progress.phase("generate")
     indices = parts.cursor.take(settings.num_prompts_per_step)
-    seed0 = (settings.seed * 1_000_003 + step) * 100_003
+    seed0 = (settings.seed * 1_000_003 + step) * 100_003 + round_ * settings.num_prompts_per_step * settings.num_generations
     groups = await asyncio.gather(*(
         play_group(
             parts.examples[i], parts.prompt_ids[i], generator=parts.generator, params=parts.params,
@@ -180,7 +207,8 @@ def _batch(groups: list[Group], settings: LoopSettings, version: int) -> tuple[B
     metrics["rewards/num_unscorable"] = float(rewards.isnan().sum())
     metrics["rollout/max_policy_lag"] = float(max_policy_lag(ok, version))
     trained = [g for g, f in zip(ok, flat.tolist()) if not (f and settings.drop_zero_variance_groups)]
-    return Batch(groups=trained, policy_version=version), metrics
+    # dynamic sampling may hold more informative groups than a step trains: the first P, in sampling order
+    return Batch(groups=trained[: settings.num_prompts_per_step], policy_version=version), metrics
 
 
 def frac_zero_std(rewards: torch.Tensor, flat: torch.Tensor, scale: str) -> float:

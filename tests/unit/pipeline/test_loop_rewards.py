@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -35,7 +36,7 @@ def test_unscorable_rollout_gets_zero_advantage_and_stays_out_of_the_baseline() 
 
 @pytest.mark.parametrize("scale, expected", [("group", 0.5), ("none", 0.5), ("batch", 0.0)])
 def test_frac_reward_zero_std_follows_scale_rewards_as_trl(scale, expected) -> None:
-    _, metrics = _batch([group(1.0, 1.0), group(1.0, 0.0)], settings(scale_rewards=scale), version=0)
+    _, metrics = _batch([group(1.0, 1.0), group(1.0, 0.0)], settings(scale_rewards=scale, num_prompts_per_step=2), version=0)
     assert metrics["frac_reward_zero_std"] == expected
     _, metrics = _batch([group(1.0, 1.0), group(1.0, 1.0)], settings(scale_rewards=scale), version=0)
     assert metrics["frac_reward_zero_std"] == 1.0
@@ -43,8 +44,8 @@ def test_frac_reward_zero_std_follows_scale_rewards_as_trl(scale, expected) -> N
 
 def test_zero_variance_groups_are_kept_unless_dropping_is_asked() -> None:
     groups = [group(1.0, 1.0), group(1.0, 0.0)]
-    assert len(_batch(groups, settings(), version=0)[0].groups) == 2
-    assert len(_batch(groups, settings(drop_zero_variance_groups=True), version=0)[0].groups) == 1
+    assert len(_batch(groups, settings(num_prompts_per_step=2), version=0)[0].groups) == 2
+    assert len(_batch(groups, settings(num_prompts_per_step=2, drop_zero_variance_groups=True), version=0)[0].groups) == 1
 
 
 def test_per_function_reward_std_is_bessel_corrected() -> None:
@@ -53,3 +54,36 @@ def test_per_function_reward_std_is_bessel_corrected() -> None:
         r.rewards = {"acc": r.reward}
     _, metrics = _batch([g], settings(), version=0)
     assert metrics["rewards/acc/std"] == pytest.approx(math.sqrt(1 / 3))
+
+
+def test_dynamic_sampling_refills_the_batch_to_p_informative_groups(monkeypatch) -> None:
+    from tandemrl.pipeline import loop
+
+    script = [[group(1.0, 1.0), group(0.0, 1.0), group(1.0, 1.0)], [group(1.0, 0.0), group(0.0, 0.0), group(0.5, 0.0)]]
+    calls = []
+
+    async def scripted(parts, settings, step, *, round_=0):
+        calls.append(round_)
+        return script[round_], {"time/generate": 1.0, "time/reward": 0.5}
+
+    monkeypatch.setattr(loop, "_generate_and_score", scripted)
+    s = settings(num_prompts_per_step=3, drop_zero_variance_groups=True, max_dynamic_sampling_rounds=5)
+    groups, times = asyncio.run(loop._refill(None, s, 0, script[0], {"time/generate": 1.0, "time/reward": 0.5}))
+    assert calls == [1]  # one extra round brought 3 groups with variance
+    assert times == {"time/generate": 2.0, "time/reward": 1.0, "dynamic_sampling/rounds": 1.0, "dynamic_sampling/num_groups_sampled": 6.0}
+    batch, metrics = _batch(groups, s, version=0)
+    assert [g.rewards for g in batch.groups] == [[0.0, 1.0], [1.0, 0.0], [0.5, 0.0]]
+    assert metrics["frac_reward_zero_std"] == 0.5  # of all the groups sampled this step
+
+
+def test_dynamic_sampling_stops_after_its_rounds(monkeypatch) -> None:
+    from tandemrl.pipeline import loop
+
+    async def flat(parts, settings, step, *, round_=0):
+        return [group(1.0, 1.0)], {"time/generate": 0.0, "time/reward": 0.0}
+
+    monkeypatch.setattr(loop, "_generate_and_score", flat)
+    s = settings(num_prompts_per_step=1, drop_zero_variance_groups=True, max_dynamic_sampling_rounds=2)
+    groups, times = asyncio.run(loop._refill(None, s, 0, [group(1.0, 1.0)], {"time/generate": 0.0, "time/reward": 0.0}))
+    assert times["dynamic_sampling/rounds"] == 2.0 and len(groups) == 3
+    assert _batch(groups, s, version=0)[0].groups == []

@@ -81,6 +81,10 @@ class DataConfig:
             raise ValueError("--eval_steps and --num_generations_eval must be >= 1")
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+"""--generation_kwargs keys every generator applies (they override the sampling flags, as in TRL)."""
+
+
 @dataclass(kw_only=True)
 class GenerationConfig:
     """How completions are produced: backend, placement and sampling."""
@@ -103,6 +107,13 @@ class GenerationConfig:
     """Top-k sampling (-1 = off)."""
     min_p: float = _SAMPLING.min_p
     """Min-p sampling (0 = off)."""
+    repetition_penalty: float = 1.0
+    """TRL's name: > 1 penalises tokens already in the prompt or completion (transformers' meaning). Needs
+    --generator hf: the engine and rollout servers do not apply it yet (1.0 = off, runs everywhere)."""
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    """TRL's name: sampling settings that override the flags above, as JSON on the command line
+    (temperature, top_p, top_k, min_p, max_tokens, stop, stop_token_ids, ignore_eos: every generator);
+    any other key goes to transformers' GenerationConfig and needs --generator hf."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
 
@@ -111,8 +122,26 @@ class GenerationConfig:
             raise ValueError(f"--generator must be engine or hf, got {self.generator!r}")
         if self.rollout_mode not in ("colocate", "server"):
             raise ValueError(f"--rollout_mode must be colocate or server, got {self.rollout_mode!r}")
+        self.hf_generation_kwargs()
         if self.rollout_mode == "server" and not self.rollout_server_urls:
             raise ValueError("--rollout_mode server needs --rollout_server_urls http://HOST:PORT [...]")
+
+    def hf_generation_kwargs(self) -> dict[str, Any]:
+        """What only transformers' generate applies: --repetition_penalty, other --generation_kwargs keys.
+
+        Raises ValueError naming them unless --generator hf in colocate mode.
+        Example: repetition_penalty 1.1, generation_kwargs {"top_p": 0.9, "no_repeat_ngram_size": 3}
+          -> {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}
+        """
+        extra = {k: v for k, v in self.generation_kwargs.items() if k not in SAMPLING_KEYS}
+        if self.repetition_penalty != 1.0:
+            extra["repetition_penalty"] = self.repetition_penalty
+        if extra and (self.generator != "hf" or self.rollout_mode != "colocate"):
+            raise ValueError(
+                f"{', '.join(sorted(extra))} (--repetition_penalty / --generation_kwargs) only apply with --generator hf "
+                f"in colocate mode; our engine applies {', '.join(SAMPLING_KEYS)}: drop the others or pass --generator hf"
+            )
+        return extra
 
 
 @dataclass(kw_only=True)

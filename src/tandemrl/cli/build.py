@@ -17,7 +17,7 @@ import torch
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
-from tandemrl.config import TrainConfig
+from tandemrl.config import SAMPLING_KEYS, TrainConfig
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
@@ -287,10 +287,13 @@ def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:
+    """The sampling flags, overridden by --generation_kwargs keys that SamplingParams knows (as in TRL)."""
     r = config.generation
-    return SamplingParams(
-        max_tokens=config.algo.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p
-    )
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in r.generation_kwargs.items() if k in SAMPLING_KEYS}
+    return SamplingParams(**{
+        "max_tokens": config.algo.max_completion_length, "temperature": r.temperature, "top_p": r.top_p,
+        "top_k": r.top_k, "min_p": r.min_p, **overrides,
+    })  # fmt: skip
 
 
 def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any, Any]:
@@ -314,7 +317,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         )
         backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=device, seed=config.run.seed)
     else:
-        backend = HFConfig(device=device)
+        backend = HFConfig(device=device, generation_kwargs=r.hf_generation_kwargs())
     generator = build_generator(backend, model=model, tokenizer=tokenizer)
     return generator, build_weight_sync(config.local_sync, generator)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tandemrl.types import Completion, SamplingParams
@@ -57,6 +57,8 @@ class HFConfig:
     """Device: auto (cuda if present), cpu or cuda."""
     max_batch_size: int = 256
     """Most requests batched into one generate call."""
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra GenerationConfig settings (e.g. repetition_penalty), applied to every request."""
 
 
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -93,6 +93,7 @@ class HFGenerator:
             return_dict_in_generate=True,
             output_scores=True,
             output_logits=params.top_logprobs > 0,
+            **self.config.generation_kwargs,
         )
         seeded = params.seed is not None
         devices = [] if self.device.type == "cpu" else [self.device]

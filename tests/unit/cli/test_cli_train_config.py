@@ -139,3 +139,15 @@ def test_num_train_epochs_decides_the_steps():
     config, _ = parse(["--num_train_epochs", "2", "--num_prompts_per_step", "16"])
     assert with_epochs(config, 100).run.max_steps == 13
     assert with_epochs(parse([])[0], 100).run.max_steps == parse([])[0].run.max_steps
+
+
+def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
+    from tandemrl.cli.build import _sampling
+
+    config, _ = parse(["--top_p", "0.5", "--generation_kwargs", '{"top_p": 0.9, "stop": ["\\n"]}'])
+    params = _sampling(config)
+    assert (params.top_p, params.stop) == (0.9, ("\n",))
+    with pytest.raises(ValueError, match="repetition_penalty .* only apply with --generator hf"):
+        parse(["--repetition_penalty", "1.1"])
+    config, _ = parse(["--repetition_penalty", "1.1", "--generator", "hf", "--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
+    assert config.rollout.hf_generation_kwargs() == {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}

@@ -31,3 +31,12 @@ def test_hf_concurrent_requests_equal_alone(tiny_model_dir):
 
     alone = [asyncio.run(gen.generate(p, params)).token_ids for p in prompts]
     assert [c.token_ids for c in asyncio.run(together())] == alone
+
+
+def test_hf_applies_extra_generation_kwargs(tiny_model_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = build_generator(HFConfig(model=tiny_model_dir, device="cpu"))
+    prompt = plain.tokenizer.encode("abc def")
+    penalised = build_generator(HFConfig(model=tiny_model_dir, device="cpu", generation_kwargs={"no_repeat_ngram_size": 1}))
+    ids = asyncio.run(penalised.generate(prompt, params)).token_ids
+    assert len(set(ids)) == len(ids)  # no token repeats: the setting reached generate

@@ -231,15 +231,15 @@ def _per_sequence_mean(values: Tensor, seq_index: Tensor, loss_mask: Tensor) -> 
     return sums[counts > 0] / counts[counts > 0] if bool((counts > 0).any()) else torch.zeros(1, device=values.device)
 
 
-def combine_metrics(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
-    """Adds one micro-batch's metrics into the step's: sums, except `*_min` / `*_max` keys (min / max)."""
+def combine_metrics(total: dict, part: dict) -> dict:
+    """Adds one micro-batch's metrics (floats or 0-d tensors, never synced) into the step's: sums, except
+    `*_min` / `*_max` keys (min / max). Example: {"a": 1, "x_min": 2} + {"a": 3, "x_min": 1} -> {"a": 4, "x_min": 1}"""
     for key, value in part.items():
         if key not in total:
             total[key] = value
-        elif key.endswith("_min"):
-            total[key] = min(total[key], value)
-        elif key.endswith("_max"):
-            total[key] = max(total[key], value)
+        elif key.endswith(("_min", "_max")):
+            pick = (torch.minimum if key.endswith("_min") else torch.maximum) if isinstance(value, Tensor) else None
+            total[key] = pick(total[key], value) if pick else (min if key.endswith("_min") else max)(total[key], value)
         else:
-            total[key] += value
+            total[key] = total[key] + value
     return total

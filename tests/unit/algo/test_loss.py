@@ -260,6 +260,9 @@ def test_combine_metrics_sums_means_and_keeps_extremes():
     total = combine_metrics({}, {"loss": 1.0, "clip_ratio/low_min": 0.5, "clip_ratio/high_max": 0.1})
     combine_metrics(total, {"loss": 2.0, "clip_ratio/low_min": 0.2, "clip_ratio/high_max": 0.4})
     assert total == {"loss": 3.0, "clip_ratio/low_min": 0.2, "clip_ratio/high_max": 0.4}
+    tensors = combine_metrics({}, {"loss": torch.tensor(1.0), "x_min": torch.tensor(0.5)})
+    combine_metrics(tensors, {"loss": torch.tensor(2.0), "x_min": torch.tensor(0.2)})
+    assert (tensors["loss"].item(), tensors["x_min"].item()) == (3.0, pytest.approx(0.2))
 
 
 def test_high_entropy_mask_keeps_the_top_quantile_of_trained_tokens():

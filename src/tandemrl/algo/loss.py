@@ -7,6 +7,7 @@ ranks), so summing `policy_loss` over micro-batches gives the loss and gradient 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -216,19 +217,23 @@ def _surrogate(
         "clip_ratio/low_mean": (cw * low).sum(),
         "clip_ratio/high_mean": (cw * high).sum(),
         "clip_ratio/region_mean": (cw * (low + high)).sum(),
-        "clip_ratio/low_min": _per_sequence_mean(low, seq_index, loss_mask).min(),
-        "clip_ratio/high_max": _per_sequence_mean(high, seq_index, loss_mask).max(),
+        "clip_ratio/low_min": _per_sequence_extreme(low, seq_index, loss_mask, largest=False),
+        "clip_ratio/high_max": _per_sequence_extreme(high, seq_index, loss_mask, largest=True),
     }
     return surrogate, metrics
 
 
-def _per_sequence_mean(values: Tensor, seq_index: Tensor, loss_mask: Tensor) -> Tensor:
-    """Mean over each sequence's trained tokens, for the sequences that have any. Example: [1, 0, 1], [0, 0, 1] -> [0.5, 1]."""
+def _per_sequence_extreme(values: Tensor, seq_index: Tensor, loss_mask: Tensor, *, largest: bool) -> Tensor:
+    """Max (or min) over sequences of the mean of `values` over each one's trained tokens; sequences with
+    none are left out (-inf / inf if all are). Example: [1, 0, 1], seq [0, 0, 1], all trained -> max 1.0, min 0.5"""
     mask = loss_mask.float()
     num_sequences = seq_index.numel()  # >= S slots: no host sync; empty slots have count 0
     sums = torch.zeros(num_sequences, device=values.device).index_add_(0, seq_index, values.detach() * mask)  # [S]
     counts = torch.zeros(num_sequences, device=values.device).index_add_(0, seq_index, mask)  # [S]
-    return sums[counts > 0] / counts[counts > 0] if bool((counts > 0).any()) else torch.zeros(1, device=values.device)
+    means = sums / counts.clamp(min=1)  # [S]
+    if largest:
+        return torch.where(counts > 0, means, -math.inf).max()
+    return torch.where(counts > 0, means, math.inf).min()
 
 
 def combine_metrics(total: dict, part: dict) -> dict:

@@ -40,7 +40,7 @@ def test_a_bad_value_is_one_line_naming_the_flag():
 
 def test_a_bad_choice_lists_the_choices_and_the_nearest():
     line = one_line_error(tandem("train", "--loss_type", "grp"))
-    assert "'grp' is not one of grpo, dapo, dr_grpo, gspo (did you mean grpo?)" in line
+    assert "'grp' is not one of grpo, dapo, dr_grpo, gspo, bnpo, cispo (did you mean grpo?)" in line
 
 
 def test_an_unknown_command_suggests_the_nearest():
@@ -68,6 +68,7 @@ def test_help_groups_are_titled_for_people(train_help):
 
 def test_help_shows_no_empty_defaults(train_help):
     assert "(default: )" not in train_help and "(default: ())" not in train_help and "(default: None)" not in train_help
+    assert "(default: {})" not in train_help
 
 
 def test_help_shows_booleans_as_flag_and_no_flag(train_help):
@@ -75,7 +76,7 @@ def test_help_shows_booleans_as_flag_and_no_flag(train_help):
 
 
 def test_help_shows_choices_of_every_enumerated_flag(train_help):
-    for choices in ("{grpo,dapo,dr_grpo,gspo}", "{engine,hf}", "{colocate,server}", "{constant,linear,cosine}", "{drain,pause}"):
+    for choices in ("{grpo,dapo,dr_grpo,gspo,bnpo,cispo}", "{engine,hf}", "{colocate,server}", "{constant,linear,cosine}", "{drain,pause}"):
         assert choices in train_help
 
 

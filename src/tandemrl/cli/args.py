@@ -128,10 +128,10 @@ def group_title(cls: type) -> str:
 
 
 def _default_text(default: Any) -> str:
-    """Example: 1e-06 -> "(default: 1e-06)"; True -> "(default: on)"; "" or () -> "" (nothing to show)."""
+    """Example: 1e-06 -> "(default: 1e-06)"; True -> "(default: on)"; "", () or {} -> "" (nothing to show)."""
     if isinstance(default, bool):
         return f"(default: {'on' if default else 'off'})"
-    if default is None or default == "" or default == ():
+    if default is None or default == "" or default == () or default == {}:
         return ""
     shown = " ".join(map(str, default)) if isinstance(default, (tuple, list)) else default
     return f"(default: {shown})"

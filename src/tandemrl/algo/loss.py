@@ -236,6 +236,13 @@ def _per_sequence_extreme(values: Tensor, seq_index: Tensor, loss_mask: Tensor, 
     return torch.where(counts > 0, means, math.inf).min()
 
 
+def entropy_bonus(entropy: Tensor, mask: Tensor, *, share: float) -> Tensor:
+    """Mean entropy over `mask`'s tokens times `share` (this micro-batch's part of the step's trained
+    tokens): TRL's entropy term, which it averages per micro-batch. Example: [1, 3], [T, T], share 0.5 -> 1.0"""
+    m = mask.float()  # [N]
+    return (entropy * m).sum() / m.sum().clamp(min=1) * share
+
+
 def combine_metrics(total: dict, part: dict) -> dict:
     """Adds one micro-batch's metrics (floats or 0-d tensors, never synced) into the step's: sums, except
     `*_min` / `*_max` keys (min / max). Example: {"a": 1, "x_min": 2} + {"a": 3, "x_min": 1} -> {"a": 4, "x_min": 1}"""

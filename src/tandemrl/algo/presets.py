@@ -104,6 +104,9 @@ class AlgoConfig:
     delta: float | None = None
     """Two-sided clipping (INTELLECT-2): also cap the ratio at delta when the advantage is negative; must
     be > 1 + epsilon_high. None = off."""
+    entropy_coef: float = 0.0
+    """TRL's name: entropy bonus, the loss minus this times the mean per-token entropy (over the tokens
+    --top_entropy_quantile keeps); the same meaning for every loss type. 0 = off."""
     top_entropy_quantile: float = 1.0
     """Train the policy term only on the top this fraction of tokens by entropy (per micro-batch, as TRL;
     0.2 recommended by arXiv:2506.01939); 1.0 = all tokens."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandemrl.algo.logprobs import logprobs_and_entropy
-from tandemrl.algo.loss import combine_metrics, high_entropy_mask, policy_loss, token_weights
+from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import TrainerConfig
@@ -134,6 +134,9 @@ class Trainer:
             m, logprobs, config=self.loss, weights=weights, ref_logprobs=ref, beta=self.algo.beta,
             tis_cap=self.algo.tis_cap, metric_weights=mean_weights, sequence_metric_weights=sequence_means, keep=keep,
         )
+        if self.algo.entropy_coef:  # the bonus acts on the tokens the policy term trains
+            mask = m.loss_mask if keep is None else keep
+            loss = loss - self.algo.entropy_coef * entropy_bonus(entropy, mask, share=m.num_trained_tokens / counts["num_tokens"])
         metrics["loss"] = loss.detach()
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version

@@ -153,3 +153,14 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps():
     a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     mix_into(a, b, alpha=1.0)
     assert torch.equal(a.weight, b.weight)
+
+
+def test_entropy_coef_adds_the_entropy_gradient():
+    plain, bonus = train_once(10_000, "grpo"), train_once(10_000, "grpo", entropy_coef=0.5)
+    assert any(not torch.allclose(plain[k], bonus[k]) for k in plain)
+
+
+def test_entropy_bonus_is_the_mean_over_the_kept_tokens_times_the_share():
+    from tandemrl.algo.loss import entropy_bonus
+
+    assert entropy_bonus(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([True, True, False]), share=0.5).item() == 1.0

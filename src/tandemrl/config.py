@@ -114,8 +114,6 @@ class GenerationConfig:
     """TRL's name: sampling settings that override the flags above, as JSON on the command line
     (temperature, top_p, top_k, min_p, max_tokens, stop, stop_token_ids, ignore_eos: every generator);
     any other key goes to transformers' generate() and needs --generator hf."""
-    gpu_memory_utilization: float = 0.4
-    """Colocate: fraction of GPU memory the engine may use for its weights and KV cache."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
 

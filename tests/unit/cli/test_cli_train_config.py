@@ -150,4 +150,4 @@ def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
     with pytest.raises(ValueError, match="repetition_penalty .* only apply with --generator hf"):
         parse(["--repetition_penalty", "1.1"])
     config, _ = parse(["--repetition_penalty", "1.1", "--generator", "hf", "--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
-    assert config.rollout.hf_generation_kwargs() == {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}
+    assert config.generation.hf_generation_kwargs() == {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}

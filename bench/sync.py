@@ -41,12 +41,18 @@ def save_model(path: str, shape: dict, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(path)
 
 
-def start_server(model_dir: str, device: str, backend: str, extra: list[str], gpu: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`tandem rollout` in a child process; `gpu` pins it to that physical GPU (default: the trainer's)."""
+def start_server(
+    model_dir: str, device: str, backend: str, extra: list[str], gpu: int | None = None, cores: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`tandem rollout` in a child process; `gpu` pins it to that physical GPU (default: the trainer's),
+    `cores` to those CPU cores."""
     args = [sys.executable, "-m", "tandemrl", "rollout", "--model", model_dir, "--device", device, "--backend", backend,
             "--port", "0", "--max_model_len", "2048", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
+    if cores:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env, preexec_fn=pin)
     for line in proc.stdout:
         match = re.search(r"on (http://\S+)", line)
         if match:

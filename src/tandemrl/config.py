@@ -116,12 +116,24 @@ class GenerationConfig:
     any other key goes to transformers' generate() and needs --generator hf."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
+    max_staleness: int = 0
+    """Async GRPO: groups for up to this many later steps are generated while a step trains, so a trained
+    token may be sampled by weights up to this many versions old (0 = synchronous, on-policy)."""
+    generator_device: str = ""
+    """Colocate with --generator engine: the engine's device, e.g. cuda:1 (default: the trainer's); weights
+    are then copied device to device."""
 
     def __post_init__(self) -> None:
         if self.generator not in ("engine", "hf"):
             raise ValueError(f"--generator must be engine or hf, got {self.generator!r}")
         if self.rollout_mode not in ("colocate", "server"):
             raise ValueError(f"--rollout_mode must be colocate or server, got {self.rollout_mode!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness > 0 and self.rollout_mode == "colocate" and self.generator == "hf":
+            raise ValueError("--max_staleness > 0 needs --generator engine or --rollout_mode server: the hf generator shares the trainer's weights")
+        if self.max_staleness > 0 and self.sleep_level > 0:
+            raise ValueError("--max_staleness > 0 generates while training, so the engine cannot sleep then; use --sleep_level 0")
         self.hf_generation_kwargs()
         if self.rollout_mode == "server" and not self.rollout_server_urls:
             raise ValueError("--rollout_mode server needs --rollout_server_urls http://HOST:PORT [...]")
@@ -180,6 +192,9 @@ class LogConfig:
     """Print and log a few sample completions every this many steps (0 = never)."""
     run_name: str = ""
     """Name of the run in the sinks (default: the run directory's name)."""
+    logprob_mismatch_warning: float = 0.02
+    """Warn when the sampler's and the trainer's logprobs of the same weights (lag 0) differ by more than
+    this KL (train/logprob_mismatch_kl_lag0): a weight-sync bug detector; 0 = never."""
     heartbeat_s: float = 30.0
     """Most seconds between two progress lines when stdout is not a terminal; a step running longer gets a
     line saying which phase it is in."""

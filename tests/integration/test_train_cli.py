@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert [m["reward"] for m in metrics(full)] == [m["reward"] for m in metrics(split)]
     assert [m["step"] for m in metrics(split)] == [1, 2, 3, 4]
-    assert all(m["rollout/max_policy_lag"] == 0 for m in metrics(split))  # on-policy, resume included
+    assert all(m["rollout/policy_lag_max"] == 0 for m in metrics(split))  # on-policy, resume included
 
 
 def test_checkpoint_loads_with_transformers_as_is(tmp_path):
@@ -180,3 +181,67 @@ def test_golden_curve_of_a_tiny_run(tmp_path):
     rows = metrics(tmp_path)
     assert [m["reward"] for m in rows] == pytest.approx(GOLDEN_REWARDS, abs=1e-9)
     assert [m["entropy"] for m in rows] == pytest.approx(GOLDEN_ENTROPY, abs=1e-4)
+
+
+def first_step_at(run_dir: Path, bar: float, window: int = 10) -> int:
+    """The first step whose mean reward over the last `window` steps reaches `bar` (a large number if none)."""
+    rewards = [m["reward"] for m in metrics(run_dir)]
+    return next((i + 1 for i in range(window - 1, len(rewards)) if sum(rewards[i + 1 - window : i + 1]) / window >= bar), 10**9)
+
+
+@pytest.mark.slow
+def test_embedded_default_with_staleness_2_reaches_the_bar_within_1_3x_the_steps(tmp_path):
+    synchronous = tandem("train", "--output_dir", str(tmp_path / "s0"), timeout=600)
+    assert synchronous.returncode == 0, synchronous.stderr[-2000:]
+    steps_s0 = first_step_at(tmp_path / "s0", 0.9)
+    stale = tandem("train", "--output_dir", str(tmp_path / "s2"), "--max_staleness", "2", "--max_steps", str(int(1.3 * steps_s0)), timeout=600)
+    assert stale.returncode == 0, stale.stderr[-2000:]
+    steps_s2 = first_step_at(tmp_path / "s2", 0.9)
+    print(f"reward bar 0.9 (10-step mean): S=0 at step {steps_s0}, S=2 at step {steps_s2}")
+    assert steps_s0 < 10**9 and steps_s2 <= 1.3 * steps_s0
+    assert max(m["rollout/policy_lag_max"] for m in metrics(tmp_path / "s2")) == 2
+
+
+def trained_prompts(run_dir: Path) -> dict[int, list[str]]:
+    """step -> the prompts of its first 2 groups, from completions.jsonl (2 rollouts of each: 4 rows a step);
+    a step logged again after a resume keeps its last 4 rows (a line torn by a kill is skipped)."""
+    by_step: dict[int, list[str]] = {}
+    for line in (run_dir / "completions.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step.setdefault(row["step"], []).append(row["prompt"])
+    return {step: prompts[-4:][::2] for step, prompts in by_step.items()}
+
+
+def test_async_run_killed_mid_step_then_resumed_trains_every_prompt_exactly_once(tmp_path, tiny_model_dir):
+    """--max_staleness 1, SIGKILL while step 4 trains and step 5 generates: the groups in flight are
+    regenerated after --resume, and every step trains the prompts of an uninterrupted run."""
+    num_prompts, p, steps = 8, 2, 8  # p = 2: the completions log shows both groups of every step
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"prompt {i}"} for i in range(num_prompts)])
+    slow = reward_file(tmp_path, "import time\ndef reward(prompts, completions, **kw):\n    time.sleep(0.1)\n    return [float(len(c) % 3) for c in completions]\n")
+    common = [
+        "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", slow, "--max_staleness", "1", "--max_steps", str(steps),
+        "--save_steps", "2", "--save_total_limit", "0", "--log_completions_steps", "1",
+        "--num_prompts_per_step", str(p), "--num_generations", "4", "--max_completion_length", "6",
+    ]  # fmt: skip
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert tandem("train", "--output_dir", str(full), *common).returncode == 0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "tandemrl", "train", "--output_dir", str(killed), *common],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (killed / "metrics.jsonl").exists() or (killed / "metrics.jsonl").read_text().count("\n") < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / f"checkpoint-{steps}").exists()
+    resumed = tandem("train", "--output_dir", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = trained_prompts(killed)
+    assert sorted(got) == list(range(1, steps + 1)) and got == trained_prompts(full)
+    for epoch in range(steps * p // num_prompts):  # each epoch trains each prompt once
+        prompts = [prompt for step in range(epoch * 4 + 1, epoch * 4 + 5) for prompt in got[step]]
+        assert sorted(prompts) == sorted(f"prompt {i}" for i in range(num_prompts))

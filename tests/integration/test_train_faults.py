@@ -41,8 +41,16 @@ def test_an_infinite_reward_stops_the_run_naming_the_function(tmp_path):
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
+# Groups are scored one call each, as each completes (issue 13): the first of every 4 calls (one group a
+# step with TINY's 4 prompts) returns NaN for its first completion.
+POISON_ONE_GROUP = (
+    "calls = []\ndef reward(prompts, completions, **kw):\n    calls.append(1)\n"
+    "    return [float('nan') if len(calls) % 4 == 1 else 0.0] + [len(c) / 10 for c in completions[1:]]\n"
+)
+
+
 def test_with_skip_the_group_of_an_infinite_reward_is_dropped_and_counted(tmp_path):
-    rewards = reward_file(tmp_path, POISON.format(value="float('nan')"))
+    rewards = reward_file(tmp_path, POISON_ONE_GROUP)
     run = tmp_path / "run"
     result = tandem("train", "--reward_funcs", rewards, "--reward_nonfinite", "skip", "--output_dir", str(run), "--max_steps", "2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -102,7 +110,7 @@ def test_a_hung_reward_times_out_its_groups_and_the_run_goes_on(tmp_path):
     result = tandem("train", "--reward_funcs", rewards, "--reward_timeout_s", "1", "--output_dir", str(run), "--max_steps", "2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert time.monotonic() - started < 120  # the abandoned calls hold neither the steps nor the exit
-    assert [m["rollout/reward_timeouts"] for m in metrics(run)] == [1.0, 1.0]
+    assert [m["rollout/reward_timeouts"] for m in metrics(run)] == [4.0, 4.0]  # each group is scored by its own call
     assert "reward function 'reward' did not return within 1 s" in result.stderr
 
 

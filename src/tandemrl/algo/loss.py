@@ -128,32 +128,46 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def truncated_importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, *, cap: float) -> Tensor:
-    """min(exp(old - behaviour), cap), no grad: corrects the trainer/sampler mismatch; cap 0 = off (ones).
-
-    Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training"; Espeholt et al. 2018 for the truncation).
-    Example: old [log 3, log 0.5], behaviour [0, 0], cap 2 -> [2.0, 0.5]
-    """
-    if cap == 0:
-        return torch.ones_like(old_logprobs)
-    return torch.exp(old_logprobs - behaviour_logprobs).detach().clamp(max=cap)
-
-
-def sequence_importance_weights(
-    old_logprobs: Tensor, behaviour_logprobs: Tensor, seq_index: Tensor, loss_mask: Tensor, *, cap: float
+def importance_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, seq_index: Tensor, loss_mask: Tensor, *, mode: str, cap: float, min_weight: float = 0.0
 ) -> Tensor:
-    """Each token gets its sequence's weight min(exp(sum over its trained tokens of (old - behaviour)), cap), no grad.
+    """The behaviour-policy correction of each token, no grad, in TRL's four modes; cap 0 = off (ones).
 
-    The sequence-level form of truncated importance sampling, for a sequence-level objective (GSPO): one
-    likelihood ratio per sequence, as TRL's `sequence_truncate`; cap 0 = off (ones).
-    Example: old [log 2, log 1.5, 0], behaviour [0, 0, 0], seq_index [0, 0, 1], cap 4 -> [3.0, 3.0, 1.0]
+    The ratio is exp(old - behaviour) per token (token_*), or its product over the trained tokens of the
+    token's sequence (sequence_*, the form a sequence-level objective such as GSPO needs). *_truncate
+    caps it: min(ratio, cap) (TIS: Yao et al. 2025; Espeholt et al. 2018); *_mask keeps it where
+    min_weight <= ratio <= cap and zeroes it elsewhere (masked IS), so outliers give no gradient at all.
+    Example: old [log 3, log 0.5], behaviour [0, 0], seq_index [0, 1], cap 2:
+      token_truncate -> [2.0, 0.5], token_mask -> [0.0, 0.5]; seq_index [0, 0]: sequence_truncate -> [1.5, 1.5]
     """
     if cap == 0:
         return torch.ones_like(old_logprobs)
-    diff = ((old_logprobs - behaviour_logprobs) * loss_mask.float()).detach()  # [N]
-    sums = torch.zeros(seq_index.numel(), dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)  # [N] >= S slots
-    return torch.exp(sums).clamp(max=cap)[seq_index]  # [N]
+    log_ratio = (old_logprobs - behaviour_logprobs).detach()  # [N]
+    if mode.startswith("sequence"):
+        per_token = log_ratio * loss_mask.float()  # [N]
+        sums = torch.zeros(seq_index.numel(), dtype=per_token.dtype, device=per_token.device).index_add_(0, seq_index, per_token)  # [N] >= S slots: no host sync
+        log_ratio = sums[seq_index]  # [N]
+    ratio = torch.exp(log_ratio)  # [N], may be inf: clamp and where handle it without nan
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return torch.where((ratio <= cap) & (ratio >= min_weight), ratio, torch.zeros_like(ratio))
+
+
+def logprob_mismatch_kl(old_logprobs: Tensor, behaviour_logprobs: Tensor, weights: Tensor, lag0: Tensor) -> dict[str, Tensor]:
+    """KL(sampler || trainer) on the same tokens, as sums of weights * value (weights: per-token means).
+
+    train/logprob_mismatch_kl: the k3 estimate from the sampler's own samples; train/logprob_mismatch_kl_lag0
+    and train/frac_lag0: the same restricted to tokens sampled by the very weights being trained, where any
+    mismatch is numerics or a weight-sync bug.
+    Example: old [-1.0], behaviour [-1.0], weights [1.0], lag0 [True] -> both KLs 0, frac_lag0 1
+    """
+    kl = kl_k3(behaviour_logprobs, old_logprobs).detach()  # [N]
+    w0 = weights * lag0.float()  # [N]
+    return {
+        "train/logprob_mismatch_kl": (weights * kl).sum(),
+        "train/logprob_mismatch_kl_lag0": (w0 * kl).sum(),
+        "train/frac_lag0": w0.sum(),
+    }
 
 
 def policy_loss(
@@ -176,17 +190,20 @@ def policy_loss(
     use_bias_correction_kl). The metrics are sums of metric_weights * value (default `weights`; pass
     token_mean weights to get per-token means), detached, so that summing them over micro-batches gives
     the step's value; clip metrics use sequence_metric_weights at sequence level (one value per sequence,
-    as TRL), and `*_min` / `*_max` keys are minima / maxima over sequences (see `combine_metrics`).
+    as TRL), and `*_min` / `*_max` keys are minima / maxima over sequences (see `combine_metrics`). The
+    importance weights follow config.tis_mode / tis_min with cap `tis_cap` (importance_weights).
     """
     mw = (weights if metric_weights is None else metric_weights).detach()  # [N]
     if config.ratio_level == "sequence":  # GSPO: one ratio s_i per sequence
         log_ratio = sequence_log_ratio(logprobs, batch.old_logprobs, batch.seq_index, batch.loss_mask)  # [N]
-        tis = sequence_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, batch.seq_index, batch.loss_mask, cap=tis_cap)
         cw = mw if sequence_metric_weights is None else sequence_metric_weights.detach()  # [N]
     else:
         log_ratio = logprobs - batch.old_logprobs  # [N]
-        tis = truncated_importance_weights(batch.old_logprobs, batch.behaviour_logprobs, cap=tis_cap)  # [N]
         cw = mw
+    tis = importance_weights(
+        batch.old_logprobs, batch.behaviour_logprobs, batch.seq_index, batch.loss_mask,
+        mode=config.tis_mode, cap=tis_cap, min_weight=config.tis_min,
+    )  # [N]  # fmt: skip
     log_ratio = torch.where(batch.loss_mask, log_ratio, 0.0)  # ratio 1 where untrained: no exp overflow, no 0 * inf = nan
     surrogate, metrics = _surrogate(config, logprobs, log_ratio, batch.advantages, cw, batch.seq_index, batch.loss_mask)
     if keep is not None:

@@ -18,6 +18,8 @@ RatioLevel = Literal["token", "sequence"]
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "bnpo", "cispo"]
 Objective = Literal["clip", "cispo"]
 RewardScale = Literal["group", "batch", "none"]
+TISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,8 @@ class LossConfig:
     objective "cispo" replaces the clipped ratio by CISPO's detached, capped weight (clip_high is its cap).
     delta caps the ratio of the unclipped term too (two-sided clipping); kl_bias_correction multiplies the
     KL term by the ratio (TRL's use_bias_correction_kl).
+    tis_mode / tis_min: how the trainer/sampler importance weight is formed (algo.loss.importance_weights);
+    tis_mode None becomes the truncate mode of ratio_level (TRL's pairing: sequence_truncate at sequence level).
     """
 
     clip_low: float
@@ -39,6 +43,8 @@ class LossConfig:
     objective: Objective = "clip"
     delta: float | None = None
     kl_bias_correction: bool = False
+    tis_mode: TISMode | None = None
+    tis_min: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -51,6 +57,19 @@ class LossConfig:
             raise ValueError(f"ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
         if self.delta is not None and self.delta <= 1 + self.clip_high:
             raise ValueError(f"--delta must be > 1 + epsilon_high ({1 + self.clip_high}), got {self.delta}")
+        _check_tis(self.tis_mode, self.tis_min)
+        if self.tis_mode is None:  # frozen: resolved once here, so every reader sees a concrete mode
+            object.__setattr__(self, "tis_mode", f"{self.ratio_level}_truncate")
+
+
+def _check_tis(tis_mode: str | None, tis_min: float) -> None:
+    """--tis_mode is one of TRL's modes (None = the ratio level's truncate mode); --tis_min only masks."""
+    if tis_mode not in (None, *TIS_MODES):
+        raise ValueError(f"--tis_mode must be one of {', '.join(TIS_MODES)}, got {tis_mode!r}")
+    if not 0 <= tis_min <= 1:
+        raise ValueError(f"--tis_min must be in [0, 1], got {tis_min}")
+    if tis_min > 0 and (tis_mode or "truncate").endswith("truncate"):
+        raise ValueError("--tis_min applies to --tis_mode token_mask or sequence_mask; drop it or pick a mask mode")
 
 
 # GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
@@ -60,6 +79,8 @@ DAPO = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="token_mean", ratio_
 # Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783).
 DR_GRPO = LossConfig(clip_low=0.2, clip_high=0.2, aggregation="seq_mean_token_sum_norm", ratio_level="token")
 # GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
+# Its importance weight is sequence_truncate (tis_mode None follows ratio_level): a token-level weight would
+# bring token-level weighting back into its sequence-level objective.
 GSPO = LossConfig(clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean", ratio_level="sequence")
 
 # BNPO: Xiao et al. 2025 (arXiv:2506.02864), TRL's "bnpo": token mean. Our token mean counts the whole
@@ -125,8 +146,14 @@ class AlgoConfig:
     """Dynamic sampling: at most this many extra rounds of --num_prompts_per_step prompts to refill a batch;
     a batch still short after them trains on the groups it has (dynamic_sampling/rounds is logged)."""
     tis_cap: float = 2.0
-    """Cap of the truncated importance weight trainer/sampler: per token, or per sequence (the sequence's
-    likelihood ratio, as TRL's sequence_truncate) for gspo; 0 = off."""
+    """Cap of the importance weight trainer/sampler (it corrects sampler mismatch and policy lag); 0 = off."""
+    tis_mode: TISMode | None = None
+    """How that weight is formed (TRL's modes): token_truncate, token_mask, sequence_truncate or
+    sequence_mask (sequence_* = the product over the completion; *_mask = 0 outside [--tis_min, --tis_cap]).
+    None = the truncate mode of the ratio's level: sequence_truncate for gspo or
+    --importance_sampling_level sequence (as TRL), token_truncate otherwise."""
+    tis_min: float = 0.0
+    """*_mask modes: weights below this are masked too."""
     max_completion_length: int = 256
     """Most tokens sampled per completion; also the constant normaliser of dr_grpo."""
 
@@ -157,6 +184,7 @@ class AlgoConfig:
             raise ValueError(f"--max_dynamic_sampling_rounds must be >= 0, got {self.max_dynamic_sampling_rounds}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"--top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        _check_tis(self.tis_mode, self.tis_min)
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -180,9 +208,11 @@ def loss_config(config: AlgoConfig) -> LossConfig:
     if clip_high is None:
         clip_high = clip_low if preset.clip_low == preset.clip_high else preset.clip_high
     _warn_half_override(config, preset, clip_low, clip_high)
+    ratio_level = config.importance_sampling_level or preset.ratio_level
+    tis_mode = config.tis_mode or f"{ratio_level}_truncate"
     return dataclasses.replace(
-        preset, clip_low=clip_low, clip_high=clip_high, ratio_level=config.importance_sampling_level or preset.ratio_level,
-        delta=config.delta, kl_bias_correction=config.use_bias_correction_kl,
+        preset, clip_low=clip_low, clip_high=clip_high, ratio_level=ratio_level, delta=config.delta,
+        kl_bias_correction=config.use_bias_correction_kl, tis_mode=tis_mode, tis_min=config.tis_min,
     )  # fmt: skip
 
 

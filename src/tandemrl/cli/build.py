@@ -315,7 +315,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
             max_num_seqs=min(e.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations),
             gpu_memory_utilization=e.memory_fraction(colocated=True),
         )
-        backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=device, seed=config.run.seed)
+        backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=r.generator_device or device, seed=config.run.seed)
     else:
         backend = HFConfig(device=device, generation_kwargs=r.hf_generation_kwargs())
     generator = build_generator(backend, model=model, tokenizer=tokenizer)
@@ -335,6 +335,8 @@ def _settings(config: TrainConfig) -> LoopSettings:
         log_completions_steps=config.log.log_completions_steps,
         save_steps=config.checkpoint.save_steps,
         save_total_limit=config.checkpoint.save_total_limit,
+        max_staleness=config.generation.max_staleness,
+        logprob_mismatch_warning=config.log.logprob_mismatch_warning,
         reward_nonfinite=config.reward.reward_nonfinite,
         reward_timeout_s=config.reward.reward_timeout_s,
     )

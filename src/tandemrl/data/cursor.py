@@ -48,8 +48,10 @@ class PromptCursor:
         self.epoch, self.position = divmod(num_taken, self.num_examples)
         self._order = self._shuffled(self.epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_examples": self.num_examples}
+    def state_dict(self, *, num_taken: int | None = None) -> dict[str, Any]:
+        """The state now, or after the first `num_taken` indices (e.g. only the groups actually trained)."""
+        epoch, position = (self.epoch, self.position) if num_taken is None else divmod(num_taken, self.num_examples)
+        return {"epoch": epoch, "position": position, "seed": self.seed, "num_examples": self.num_examples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_examples"] != self.num_examples:

@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandemrl.pipeline.producer import score_groups
 from tandemrl.rollout.group import failed, play_group
 from tandemrl.types import Example
 
@@ -36,7 +37,7 @@ class EvalSet:
 
 async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, seed: int) -> dict[str, float]:
     """eval_* metrics of every eval prompt, num_generations completions each, at the current weights."""
-    from tandemrl.pipeline.loop import reward_metrics, score_groups  # the loop imports this module
+    from tandemrl.pipeline.loop import reward_metrics  # the loop imports this module
 
     g = evals.num_generations
     groups = await asyncio.gather(*(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandemrl.algo.logprobs import logprobs_and_entropy
-from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, policy_loss, token_weights
+from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, logprob_mismatch_kl, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import TrainerConfig
@@ -141,6 +141,7 @@ class Trainer:
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version
         metrics["train/logprob_mismatch"] = (mean_weights * (m.old_logprobs - m.behaviour_logprobs).abs()).sum()
+        metrics.update(logprob_mismatch_kl(m.old_logprobs, m.behaviour_logprobs, mean_weights, m.policy_versions == self.policy_version))
         return loss, metrics
 
     def _forward(self, model: Any, m: PackedBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,12 +27,13 @@ pytestmark = [
 SECOND_GPU = {"CUDA_VISIBLE_DEVICES": "1"}
 
 
-def start_gpu_server(model_dir: str):
-    return start_server(model_dir, backend="engine", device="cuda", env=SECOND_GPU, timeout_s=300)
+def start_gpu_server(model_dir: str, *extra: str):
+    return start_server(model_dir, *extra, backend="engine", device="cuda", env=SECOND_GPU, timeout_s=300)
 
 
 def test_nccl_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(tiny_model_dir, tiny_tokenizer):
-    server = start_gpu_server(tiny_model_dir)
+    # float32 on the server too: the reference is float32, and a bfloat16 server's greedy may part from it
+    server = start_gpu_server(tiny_model_dir, "--dtype", "float32")
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=120))
     try:
         model = trainer_model(tiny_model_dir, 11)

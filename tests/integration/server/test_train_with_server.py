@@ -11,21 +11,38 @@ import sys
 from rollout_helpers import start_server
 
 
+def train_through(model_dir: str, server, tmp_path, *extra: str) -> list[dict]:
+    args = [
+        sys.executable, "-m", "tandemrl", "train", "--model", model_dir, "--rollout_mode", "server",
+        "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
+        "--output_dir", str(tmp_path), "--max_steps", "3", "--num_prompts_per_step", "4", "--num_generations", "4",
+        "--max_completion_length", "6", "--max_prompt_length", "64", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:] + server.log_text()[-2000:]
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_training_through_a_rollout_server_keeps_versions_in_step(tiny_model_dir, tmp_path):
     server = start_server(tiny_model_dir, backend="engine")
     try:
-        args = [
-            sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--rollout_mode", "server",
-            "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
-            "--output_dir", str(tmp_path), "--max_steps", "3", "--num_prompts_per_step", "4", "--num_generations", "4",
-            "--max_completion_length", "6", "--max_prompt_length", "64",
-        ]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-        assert result.returncode == 0, result.stderr[-3000:] + server.log_text()[-2000:]
-        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        rows = train_through(tiny_model_dir, server, tmp_path)
         assert [r["policy_version"] for r in rows] == [1, 2, 3]
-        assert [r["rollout/max_policy_lag"] for r in rows] == [0, 0, 0]  # each step sampled by the live version
+        assert [r["rollout/policy_lag_max"] for r in rows] == [0, 0, 0]  # each step sampled by the live version
+        assert server.get("/ready").json()["policy_version"] == 3
+    finally:
+        server.stop()
+
+
+def test_async_training_with_pause_updates_bounds_the_oldest_token_lag(tiny_model_dir, tmp_path):
+    """--max_staleness 1 with `pause` updates: weights change under completions in flight, so a completion
+    may span versions; every token's lag, the oldest's included, stays <= 1."""
+    server = start_server(tiny_model_dir, backend="engine")
+    try:
+        rows = train_through(tiny_model_dir, server, tmp_path, "--max_staleness", "1", "--update_mode", "pause", "--max_completion_length", "24")
+        assert [r["policy_version"] for r in rows] == [1, 2, 3]
+        assert rows[0]["rollout/policy_lag_max"] == 0 and all(r["rollout/policy_lag_max"] <= 1 for r in rows)
         assert server.get("/ready").json()["policy_version"] == 3
     finally:
         server.stop()

@@ -9,12 +9,11 @@ from tandemrl.algo.loss import (
     clipped_surrogate,
     combine_metrics,
     high_entropy_mask,
+    importance_weights,
     kl_k3,
     policy_loss,
-    sequence_importance_weights,
     sequence_log_ratio,
     token_weights,
-    truncated_importance_weights,
 )
 import dataclasses
 
@@ -122,13 +121,14 @@ def test_kl_k3_hand_values_and_zero_at_reference():
 
 def test_truncated_importance_weight_is_capped_and_carries_no_gradient():
     old = torch.tensor([math.log(3.0), math.log(0.5)], requires_grad=True)
-    weights = truncated_importance_weights(old, torch.zeros(2), cap=2.0)
+    weights = importance_weights(old, torch.zeros(2), torch.tensor([0, 1]), torch.tensor([T, T]), mode="token_truncate", cap=2.0)
     torch.testing.assert_close(weights, torch.tensor([2.0, 0.5]))
     assert not weights.requires_grad
 
 
 def test_truncated_importance_weight_cap_zero_turns_it_off():
-    assert torch.equal(truncated_importance_weights(torch.tensor([1.0, -5.0]), torch.zeros(2), cap=0.0), torch.ones(2))
+    ones = importance_weights(torch.tensor([1.0, -5.0]), torch.zeros(2), torch.tensor([0, 1]), torch.tensor([T, T]), mode="token_truncate", cap=0.0)
+    assert torch.equal(ones, torch.ones(2))
 
 
 def test_policy_loss_adds_tis_weighted_surrogate_and_beta_k3_kl():
@@ -170,8 +170,8 @@ def test_untrained_positions_cannot_turn_the_loss_nan():
 
 def test_sequence_importance_weight_is_the_capped_sequence_likelihood_ratio():
     old = torch.tensor([math.log(2.0), math.log(1.5), 0.0, 5.0])
-    weights = sequence_importance_weights(
-        old, torch.zeros(4), torch.tensor([0, 0, 1, 1]), torch.tensor([T, T, T, F]), cap=4.0
+    weights = importance_weights(
+        old, torch.zeros(4), torch.tensor([0, 0, 1, 1]), torch.tensor([T, T, T, F]), mode="sequence_truncate", cap=4.0
     )  # the untrained token of sequence 1 is left out of its sum
     torch.testing.assert_close(weights, torch.tensor([3.0, 3.0, 1.0, 1.0]))
 
@@ -270,3 +270,45 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_trained_tokens():
     assert high_entropy_mask(entropy, mask, quantile=0.5).tolist() == [F, T, T, F, F]
     assert high_entropy_mask(entropy, mask, quantile=1.0).tolist() == [T, T, T, T, F]
     assert high_entropy_mask(entropy, mask, quantile=0.0).tolist() == [F, T, F, F, F]
+
+
+def _weights(mode: str, old: list[float], seq_index: list[int], *, cap: float = 2.0, min_weight: float = 0.0) -> list[float]:
+    n = len(old)
+    w = importance_weights(torch.tensor(old), torch.zeros(n), torch.tensor(seq_index), torch.ones(n, dtype=torch.bool), mode=mode, cap=cap, min_weight=min_weight)
+    return w.tolist()
+
+
+@pytest.mark.parametrize(
+    "mode, seq_index, expected",
+    [
+        ("token_truncate", [0, 1], [2.0, 0.5]),
+        ("token_mask", [0, 1], [0.0, 0.5]),
+        ("sequence_truncate", [0, 0], [1.5, 1.5]),  # 3 * 0.5
+        ("sequence_mask", [0, 0], [1.5, 1.5]),
+    ],
+)
+def test_importance_weight_modes_hand_values(mode, seq_index, expected):
+    assert _weights(mode, [math.log(3.0), math.log(0.5)], seq_index) == pytest.approx(expected)
+
+
+def test_sequence_modes_truncate_or_mask_the_whole_sequence():
+    old = [math.log(3.0), math.log(2.0), math.log(0.5)]  # sequence 0: ratio 6, sequence 1: 0.5
+    assert _weights("sequence_truncate", old, [0, 0, 1]) == pytest.approx([2.0, 2.0, 0.5])
+    assert _weights("sequence_mask", old, [0, 0, 1]) == pytest.approx([0.0, 0.0, 0.5])
+    assert _weights("sequence_mask", old, [0, 0, 1], min_weight=0.6) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_importance_weights_survive_overflowing_ratios_and_carry_no_gradient():
+    old = torch.tensor([500.0, -500.0], requires_grad=True)
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        w = importance_weights(old, torch.zeros(2), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), mode=mode, cap=2.0)
+        assert torch.isfinite(w).all() and not w.requires_grad
+
+
+def test_logprob_mismatch_counts_lag0_tokens_apart():
+    from tandemrl.algo.loss import logprob_mismatch_kl
+
+    old, behaviour = torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -1.0 - math.log(2.0)])
+    m = logprob_mismatch_kl(old, behaviour, torch.tensor([0.5, 0.5]), torch.tensor([True, False]))
+    assert m["train/logprob_mismatch_kl"].item() == pytest.approx(0.5 * (2 - math.log(2.0) - 1))  # k3 with r = 2
+    assert m["train/logprob_mismatch_kl_lag0"].item() == 0.0 and m["train/frac_lag0"].item() == 0.5

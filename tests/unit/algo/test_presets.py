@@ -73,6 +73,26 @@ def test_algo_flags_parse_into_a_config():
         parser.parse_args(["--loss_type", "ppo"])  # choices come from the Literal
 
 
+def test_tis_mode_defaults_to_the_presets_and_can_be_chosen():
+    from tandemrl.algo.presets import AlgoConfig, loss_config
+
+    assert loss_config(AlgoConfig()).tis_mode == "token_truncate"
+    assert loss_config(AlgoConfig(loss_type="gspo")).tis_mode == "sequence_truncate"
+    chosen = loss_config(AlgoConfig(tis_mode="sequence_mask", tis_min=0.5))
+    assert (chosen.tis_mode, chosen.tis_min) == ("sequence_mask", 0.5)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [({"tis_mode": "token"}, "--tis_mode must be one of"), ({"tis_min": 0.5}, "--tis_min applies to"), ({"tis_mode": "token_mask", "tis_min": 2.0}, "--tis_min must be in")],
+)
+def test_bad_tis_settings_name_the_flag(values, message):
+    from tandemrl.algo.presets import AlgoConfig
+
+    with pytest.raises(ValueError, match=message):
+        AlgoConfig(**values)
+
+
 def test_bias_corrected_kl_is_on_by_default_as_trl():
     assert AlgoConfig().use_bias_correction_kl and loss_config(AlgoConfig()).kl_bias_correction
     assert "TRL's default" in field_docs(AlgoConfig)["use_bias_correction_kl"]

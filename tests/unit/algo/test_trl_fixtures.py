@@ -48,7 +48,7 @@ def test_loss_gradient_and_metrics_equal_trl(case: dict) -> None:
     preset = PRESETS[case["loss_type"]]
     config = dataclasses.replace(
         preset, clip_low=C["epsilon"], clip_high=C["cispo_cap"] if preset.objective == "cispo" else C["epsilon_high"],
-        ratio_level=case["level"], kl_bias_correction=case["use_bias_correction_kl"],
+        ratio_level=case["level"], kl_bias_correction=case["use_bias_correction_kl"], tis_mode=f"{case['level']}_truncate",
     )  # fmt: skip
     counts = dict(num_sequences=t["mask"].shape[0], num_tokens=int(t["mask"].sum()), max_completion_length=C["max_completion_length"])
     weights = token_weights(batch.seq_index, batch.loss_mask, aggregation=config.aggregation, **counts)

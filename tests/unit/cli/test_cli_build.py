@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tandemrl.cli.build import _policy, _rollout_side
 from tandemrl.cli.train import parse
 
@@ -18,3 +20,26 @@ def test_colocated_engine_holds_one_steps_sequences_at_full_length():
         assert len(generator.blocks.blocks) == 15 * -(-max_len // generator.config.block_size) + 1
     finally:
         asyncio.run(generator.close())
+
+
+def test_generator_device_places_the_colocated_engine():
+    config, _ = parse(["--num_prompts_per_step", "2", "--num_generations", "2", "--device", "cpu", "--generator_device", "cpu"])
+    tokenizer, model = _policy(config, None)
+    generator, _ = _rollout_side(config, model, tokenizer)
+    try:
+        assert generator.config.device == "cpu" and generator.device.type == "cpu"
+    finally:
+        asyncio.run(generator.close())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max_staleness", "1", "--generator", "hf"], "hf generator shares the trainer's weights"),
+        (["--max_staleness", "1", "--sleep_level", "1"], "cannot sleep"),
+        (["--max_staleness", "-1"], "--max_staleness must be >= 0"),
+    ],
+)
+def test_max_staleness_rejects_what_cannot_overlap(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(flags)

@@ -76,15 +76,16 @@ class Engine:
     def _build_device_plane(self) -> None:
         """The runner (forward, sampling, CUDA graphs) and the KV cache, sized by _num_kv_blocks."""
         config = self.config
-        self.runner = ModelRunner(
-            self.model,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            use_graphs=not config.enforce_eager,
-        )
-        self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
-        self.runner.allocate_kv_cache(len(self.blocks.blocks))
+        with self._on_device():  # memory sizing, graph capture and Triton launches read the current device
+            self.runner = ModelRunner(
+                self.model,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                use_graphs=not config.enforce_eager,
+            )
+            self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
+            self.runner.allocate_kv_cache(len(self.blocks.blocks))
 
     def _build_control_plane(self) -> None:
         """The scheduler and the state the engine thread and the callers share."""
@@ -216,7 +217,15 @@ class Engine:
         }
 
     # --- the engine thread ---------------------------------------------------------------------------
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Makes the engine's GPU current in the calling thread (it may be another than the trainer's, e.g. cuda:1)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _loop(self) -> None:
+        with self._on_device():
+            self._run_loop()
+
+    def _run_loop(self) -> None:
         while True:
             self._drain_inbox()
             if self._closed:
@@ -340,7 +349,7 @@ class Engine:
         with self._cond:
             self._num_exclusive += 1
         try:
-            with self._step_lock:
+            with self._step_lock, self._on_device():
                 self._guarded(self._finish_ahead)
                 yield
         finally:

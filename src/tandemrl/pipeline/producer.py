@@ -1,0 +1,165 @@
+"""The producer: admits groups into the rollout buffer in order, then generates and scores each group as
+its own task, so a group is scored as soon as it completes and a slow reward never stalls sampling.
+
+Invariant: group j samples with seeds derived from (seed, step j // P, slot j % P) alone and takes the
+j-th prompt of the cursor's order, so the data of a run does not depend on timing, and a group
+regenerated after a resume is the same prompt with the same seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tandemrl.pipeline.buffer import RolloutBuffer
+from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState, score
+from tandemrl.rollout.group import failed, play_group
+from tandemrl.rollout.run import conversation_of
+from tandemrl.types import Group, RolloutStatus
+
+if TYPE_CHECKING:
+    from tandemrl.pipeline.loop import LoopParts, LoopSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupTiming:
+    """When a group was admitted and finished generating, how long its scoring took (seconds), and how it ended."""
+
+    admitted: float
+    generated: float
+    reward_s: float
+    nonfinite: bool = False  # a reward was not finite (--reward_nonfinite skip): not trained
+    timed_out: bool = False  # scoring passed --reward_timeout_s: not trained
+
+
+class Producer:
+    """Fills `buffer` with `num_groups` groups, starting at admission index `first_index`."""
+
+    def __init__(self, parts: LoopParts, settings: LoopSettings, buffer: RolloutBuffer, *, first_index: int, num_groups: int) -> None:
+        self.parts = parts
+        self.settings = settings
+        self.buffer = buffer
+        self.first_index = first_index
+        self.num_groups = num_groups
+        self.timings: dict[int, GroupTiming] = {}
+        self._scoring: set[int] = set()  # admissions generated and being scored
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Starts admitting; an error of the producer or of a group surfaces at the trainer's next take."""
+        self._spawn(self._admit_all())
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _admit_all(self) -> None:
+        for _ in range(self.num_groups):
+            index = await self.buffer.admit()
+            example_index = self.parts.cursor.take(1)[0]
+            epoch = self.parts.cursor.num_taken / self.parts.cursor.num_examples  # passes over the data, this prompt included
+            self._spawn(self._produce(index, example_index, epoch))
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.buffer.fail(task.exception())
+
+    def _name_phase(self) -> None:
+        """While the trainer waits and every group it waits for is generated, the step is in "reward"."""
+        waiting = self.buffer.waiting_for
+        if waiting is not None and all(i in self._scoring or self.buffer.has(i) for i in waiting):
+            self.parts.progress.phase("reward")
+
+    def step_times(self, indices: range) -> dict[str, float]:
+        """time/generate: first admission to last generated group of a step (it overlaps training when
+        S > 0); time/reward: seconds its groups spent scoring, summed (scoring overlaps generation)."""
+        timings = [self.timings.pop(i) for i in indices]
+        return {
+            "time/generate": max(t.generated for t in timings) - min(t.admitted for t in timings),
+            "time/reward": sum(t.reward_s for t in timings),
+            "rollout/nonfinite_reward_groups": float(sum(t.nonfinite for t in timings)),
+            "rollout/reward_timeouts": float(sum(t.timed_out for t in timings)),
+        }
+
+    async def cancel(self) -> None:
+        """Cancels the groups still generating (the engine aborts their requests)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _produce(self, index: int, example_index: int, epoch: float) -> None:
+        admitted = time.perf_counter()
+        step, slot = divmod(index, self.settings.num_prompts_per_step)
+        g = self.settings.num_generations
+        group = await play_group(
+            self.parts.examples[example_index], self.parts.prompt_ids[example_index], generator=self.parts.generator,
+            params=self.parts.params, group_size=g, tokenizer=self.parts.tokenizer, seed=group_seed(self.settings.seed, step) + slot * g,
+            multi_turn=self.parts.multi_turn,
+        )
+        generated = time.perf_counter()
+        nonfinite = timed_out = False
+        self._scoring.add(index)
+        self._name_phase()
+        if not failed(group):
+            state = TrainerState(global_step=step, epoch=epoch, max_steps=self.settings.max_steps)
+            try:
+                nonfinite = await score_groups(
+                    [group], self.parts.reward_funcs, self.parts.reward_weights, state,
+                    nonfinite=self.settings.reward_nonfinite, timeout_s=self.settings.reward_timeout_s,
+                ) > 0  # fmt: skip
+            except RewardTimeoutError as error:  # the group is not trained; the run goes on
+                log.warning("%s; the group of example %d is not trained", error, group.example.index)
+                mark_failed([group])
+                timed_out = True
+        reward_s = time.perf_counter() - generated
+        self._scoring.discard(index)
+        self.timings[index] = GroupTiming(admitted=admitted, generated=generated, reward_s=reward_s, nonfinite=nonfinite, timed_out=timed_out)
+        self.buffer.put(index, group)
+
+
+def group_seed(seed: int, step: int) -> int:
+    """Seed of rollout 0 of the first group of `step`; rollout g of group p samples with + p * G + g."""
+    return (seed * 1_000_003 + step) * 100_003
+
+
+async def score_groups(
+    groups: list[Group],
+    funcs: list[RewardFunc],
+    weights: list[float] | None,
+    state: TrainerState | None = None,
+    *,
+    nonfinite: str = "error",
+    timeout_s: float | None = None,
+) -> int:
+    """Writes each rollout's `rewards` and weighted `reward` (reward functions see whole batches).
+    With nonfinite="skip", a group with a non-finite reward is marked failed; returns how many were."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    if not rollouts:
+        return 0
+    columns = {key: [r.example.columns[key] for r in rollouts] for key in rollouts[0].example.columns}
+    prompts = [r.example.prompt for r in rollouts]
+    completions = [conversation_of(r) for r in rollouts]
+    ids = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
+    totals, values = await score(
+        funcs, weights, prompts, completions, columns, completion_ids=ids, trainer_state=state, nonfinite=nonfinite, timeout_s=timeout_s
+    )
+    for i, rollout in enumerate(rollouts):
+        rollout.reward = totals[i]
+        rollout.rewards = {name: v[i] for name, v in values.items()}
+    poisoned = [g for g in groups if any(r.reward is not None and math.isnan(r.reward) for r in g.rollouts)]
+    mark_failed(poisoned)
+    return len(poisoned)
+
+
+def mark_failed(groups: list[Group]) -> None:
+    for group in groups:
+        for rollout in group.rollouts:
+            rollout.status = RolloutStatus.ERROR

@@ -1,0 +1,265 @@
+"""The pipeline with fakes: random generation, reward and training delays, an ordered event log.
+
+The invariant under test (pipeline/buffer.py): a group trained at step k was admitted after version
+k - S was live on the generator, so every trained token's policy lag is <= S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from tandemrl.data.cursor import PromptCursor
+from tandemrl.pipeline import loop as loop_module
+from tandemrl.pipeline.buffer import RolloutBuffer
+from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
+from tandemrl.rewards.base import RewardFunc
+from tandemrl.types import Completion, Example, SamplingParams
+
+P, G, NUM_TOKENS = 3, 2, 3
+
+
+class Events(list):
+    """The ordered event log: (kind, value, live version)."""
+
+
+class FakeGenerator:
+    """Samples NUM_TOKENS tokens with random delays; each token carries the version live when it was sampled
+    (as with `pause` updates: a completion may span versions)."""
+
+    def __init__(self, events: Events, rng: random.Random) -> None:
+        self.version = 0
+        self.events, self.rng = events, rng
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        versions = []
+        for _ in range(NUM_TOKENS):
+            await asyncio.sleep(self.rng.uniform(0, 0.004))
+            versions.append(self.version)
+        return Completion(token_ids=[params.seed % 7] * NUM_TOKENS, logprobs=[-1.0] * NUM_TOKENS, finish_reason="stop", policy_versions=versions)
+
+    async def update_weights(self, weights, *, version: int) -> None:
+        await asyncio.sleep(self.rng.uniform(0, 0.002))
+        self.version = version
+        self.events.append(("live", version, version))
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeSync:
+    def __init__(self, generator: FakeGenerator) -> None:
+        self.generator = generator
+
+    async def publish(self, weights, *, version: int) -> None:
+        await self.generator.update_weights(list(weights), version=version)
+
+
+class FakeModel:
+    def named_parameters(self):
+        return iter(())
+
+
+class FakeTrainer:
+    """Sleeps a random time per step (in the worker thread, as the real one computes) and logs what it trained."""
+
+    def __init__(self, events: Events, rng: random.Random) -> None:
+        self.policy_version = 0
+        self.model = FakeModel()
+        self.events, self.rng = events, rng
+        self.delay = rng.uniform(0, 0.006)
+
+    def train_step(self, batch) -> dict[str, float]:
+        for group in batch.groups:
+            self.events.append(("train", group.example.index, self.policy_version))
+        time.sleep(self.delay)
+        self.delay = self.rng.uniform(0, 0.006)
+        self.policy_version += 1
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"policy_version": self.policy_version}
+
+
+class Quiet:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(map(str, ids))
+
+
+def random_reward(rng: random.Random) -> RewardFunc:
+    async def reward(prompts, completions, **columns):
+        await asyncio.sleep(rng.uniform(0, 0.003))
+        return [float(c[0]) for c in completions]  # differs within a group: none is dropped for zero variance
+
+    return RewardFunc(name="digit", fn=reward)
+
+
+def run(max_staleness: int, *, steps: int, seed: int, tmp_path: Path, start_step: int = 0, cursor: PromptCursor | None = None):
+    rng = random.Random(seed)
+    events = Events()
+    generator = FakeGenerator(events, rng)
+    trainer = FakeTrainer(events, rng)
+    trainer.policy_version = generator.version = start_step
+    examples = [Example(prompt=f"p{i}", index=i) for i in range(40)]
+    parts = LoopParts(
+        examples=examples, prompt_ids=[[i] for i in range(40)], cursor=cursor or PromptCursor(40, seed=seed),
+        generator=generator, sync=FakeSync(generator), trainer=trainer, tokenizer=Tokenizer(),
+        reward_funcs=[random_reward(rng)], reward_weights=None, params=SamplingParams(max_tokens=NUM_TOKENS),
+        logger=Quiet(), progress=Quiet(), run_dir=tmp_path,
+    )
+    settings = LoopSettings(
+        max_steps=steps, num_prompts_per_step=P, num_generations=G, scale_rewards="none", drop_zero_variance_groups=False,
+        seed=seed, sleep_level=0, log_completions_steps=0, save_steps=0, save_total_limit=0, max_staleness=max_staleness,
+    )
+    admitted = []
+    original = parts.cursor.take
+
+    def take(k):
+        indices = original(k)
+        admitted.extend((i, generator.version) for i in indices)
+        events.extend(("admit", i, generator.version) for i in indices)
+        return indices
+
+    parts.cursor.take = take
+    metrics = []
+    parts.logger = type("L", (), {"log": lambda self, step, m: metrics.append(m), "log_completions": lambda *a: None})()
+    asyncio.run(run_loop(parts, settings, start_step=start_step))
+    return events, metrics, admitted
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    checkpoints = []
+    monkeypatch.setattr(loop_module, "save_checkpoint", lambda run_dir, step, *, state, **kw: checkpoints.append((step, state)))
+    return checkpoints
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_policy_lag_never_exceeds_max_staleness_under_random_delays(tmp_path, saved, max_staleness):
+    events, metrics, _ = run(max_staleness, steps=50, seed=max_staleness, tmp_path=tmp_path)
+    trained = [e for e in events if e[0] == "train"]
+    assert len(trained) == 50 * P
+    lags = [m["rollout/policy_lag_max"] for m in metrics]
+    assert max(lags) <= max_staleness
+    if max_staleness:  # the overlap is real: some step trains on groups sampled by older weights
+        assert max(lags) == max_staleness
+    else:
+        assert all(m["rollout/policy_lag_mean"] == 0 for m in metrics)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_a_group_is_admitted_only_after_version_k_minus_s_is_live(tmp_path, saved, max_staleness):
+    events, _, _ = run(max_staleness, steps=50, seed=10 + max_staleness, tmp_path=tmp_path)
+    admissions = [version for kind, _, version in events if kind == "admit"]
+    for j, version in enumerate(admissions):
+        assert version >= j // P - max_staleness, f"group {j} (step {j // P}) admitted at version {version}"
+
+
+def test_too_many_slots_breaks_the_bound_and_the_assert_catches_it(tmp_path, saved, monkeypatch):
+    class Oversized(RolloutBuffer):
+        def __init__(self, *, num_slots: int, first_index: int = 0) -> None:
+            super().__init__(num_slots=num_slots + 2 * P, first_index=first_index)
+
+    monkeypatch.setattr(loop_module, "RolloutBuffer", Oversized)
+    with pytest.raises(AssertionError, match="policy lag"):
+        run(0, steps=50, seed=3, tmp_path=tmp_path)
+
+
+def test_groups_are_trained_in_admission_order_whatever_order_they_finish(tmp_path, saved):
+    events, _, admitted = run(2, steps=20, seed=5, tmp_path=tmp_path)
+    assert [e[1] for e in events if e[0] == "train"] == [i for i, _ in admitted]
+
+
+def test_checkpoint_cursor_counts_trained_groups_not_admitted_ones(tmp_path, saved):
+    run(2, steps=6, seed=1, tmp_path=tmp_path)
+    (step, state), = saved
+    assert step == 6 and divmod(6 * P, 40) == (state["cursor"]["epoch"], state["cursor"]["position"])
+
+
+def test_resume_regenerates_groups_in_flight_exactly_once(tmp_path, saved):
+    """A run of 8 steps equals one of 4 steps, then one resumed from its checkpoint for 4 more."""
+    _, _, whole = run(2, steps=8, seed=7, tmp_path=tmp_path)
+    run(2, steps=4, seed=7, tmp_path=tmp_path)
+    cursor = PromptCursor(40, seed=7)
+    cursor.load_state_dict(saved[-1][1]["cursor"])
+    events, _, _ = run(2, steps=8, seed=7, tmp_path=tmp_path, start_step=4, cursor=cursor)
+    resumed = [e[1] for e in events if e[0] == "train"]
+    assert resumed == [i for i, _ in whole][4 * P :]
+
+
+def test_buffer_takes_in_admission_order_and_waits_for_a_free_slot():
+    async def scenario():
+        buffer = RolloutBuffer(num_slots=2)
+        assert [await buffer.admit(), await buffer.admit()] == [0, 1]
+        third = asyncio.ensure_future(buffer.admit())
+        await asyncio.sleep(0)
+        assert not third.done()
+        buffer.put(1, "g1")
+        buffer.put(0, "g0")
+        assert await buffer.take(2) == ["g0", "g1"]
+        assert not third.done()  # taken is not released: the weights are not live yet
+        buffer.release(2)
+        assert await third == 2
+
+    asyncio.run(scenario())
+
+
+def test_an_error_of_a_producer_surfaces_at_take():
+    async def scenario():
+        buffer = RolloutBuffer(num_slots=1)
+        await buffer.admit()
+        buffer.fail(ValueError("reward 'r' returned 3 values for 4 completions"))
+        with pytest.raises(ValueError, match="reward 'r'"):
+            await buffer.take(1)
+
+    asyncio.run(scenario())
+
+
+def test_lag0_mismatch_becomes_a_mean_and_warns_past_the_threshold(caplog):
+    metrics = {"train/logprob_mismatch_kl_lag0": 0.03, "train/frac_lag0": 0.5}
+    loop_module._check_mismatch(metrics, 0.05, step=7)
+    assert metrics == {"train/logprob_mismatch_kl_lag0": pytest.approx(0.06)}
+    assert "step 7" in caplog.text and "weight sync" in caplog.text
+    quiet = {"train/logprob_mismatch_kl_lag0": 0.0, "train/frac_lag0": 0.0}  # no lag-0 token: nothing to compare
+    loop_module._check_mismatch(quiet, 0.05, step=8)
+    assert quiet == {}
+
+
+def test_a_group_is_scored_as_soon_as_it_completes_while_others_still_sample(tmp_path, saved):
+    """Prompt i samples for 0.05 * i s; a slow reward (0.1 s) of the fastest group overlaps the others' sampling."""
+    log: list[tuple[str, int]] = []
+
+    class Staggered(FakeGenerator):
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(0.05 * prompt_ids[0])
+            log.append(("generated", prompt_ids[0]))
+            return Completion(token_ids=[params.seed % 7], logprobs=[-1.0], finish_reason="stop", policy_versions=[self.version])
+
+    async def slow(prompts, completions, **columns):
+        log.append(("scoring", int(prompts[0][1:])))
+        await asyncio.sleep(0.1)
+        return [float(c[0]) for c in completions]
+
+    generator = Staggered(Events(), random.Random(0))
+    trainer = FakeTrainer(Events(), random.Random(0))
+    parts = LoopParts(
+        examples=[Example(prompt=f"p{i}", index=i) for i in range(3)], prompt_ids=[[i] for i in range(3)],
+        cursor=PromptCursor(3), generator=generator, sync=FakeSync(generator), trainer=trainer, tokenizer=Tokenizer(),
+        reward_funcs=[RewardFunc(name="slow", fn=slow)], reward_weights=None, params=SamplingParams(max_tokens=1),
+        logger=Quiet(), progress=Quiet(), run_dir=tmp_path,
+    )  # fmt: skip
+    settings = LoopSettings(
+        max_steps=1, num_prompts_per_step=3, num_generations=G, scale_rewards="none", drop_zero_variance_groups=False,
+        seed=0, sleep_level=0, log_completions_steps=0, save_steps=0, save_total_limit=0,
+    )  # fmt: skip
+    asyncio.run(run_loop(parts, settings))
+    assert log.index(("scoring", 0)) < log.index(("generated", 2))

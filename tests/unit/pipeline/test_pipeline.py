@@ -103,7 +103,10 @@ def random_reward(rng: random.Random) -> RewardFunc:
     return RewardFunc(name="digit", fn=reward)
 
 
-def run(max_staleness: int, *, steps: int, seed: int, tmp_path: Path, start_step: int = 0, cursor: PromptCursor | None = None):
+def run(
+    max_staleness: int, *, steps: int, seed: int, tmp_path: Path, start_step: int = 0, cursor: PromptCursor | None = None,
+    reward: RewardFunc | None = None, **overrides,
+):  # fmt: skip
     rng = random.Random(seed)
     events = Events()
     generator = FakeGenerator(events, rng)
@@ -113,13 +116,15 @@ def run(max_staleness: int, *, steps: int, seed: int, tmp_path: Path, start_step
     parts = LoopParts(
         examples=examples, prompt_ids=[[i] for i in range(40)], cursor=cursor or PromptCursor(40, seed=seed),
         generator=generator, sync=FakeSync(generator), trainer=trainer, tokenizer=Tokenizer(),
-        reward_funcs=[random_reward(rng)], reward_weights=None, params=SamplingParams(max_tokens=NUM_TOKENS),
+        reward_funcs=[reward or random_reward(rng)], reward_weights=None, params=SamplingParams(max_tokens=NUM_TOKENS),
         logger=Quiet(), progress=Quiet(), run_dir=tmp_path,
     )
     settings = LoopSettings(
         max_steps=steps, num_prompts_per_step=P, num_generations=G, scale_rewards="none", drop_zero_variance_groups=False,
         seed=seed, sleep_level=0, log_completions_steps=0, save_steps=0, save_total_limit=0, max_staleness=max_staleness,
     )
+    for key, value in overrides.items():
+        setattr(settings, key, value)
     admitted = []
     original = parts.cursor.take
 
@@ -195,6 +200,28 @@ def test_resume_regenerates_groups_in_flight_exactly_once(tmp_path, saved):
     resumed = [e[1] for e in events if e[0] == "train"]
     assert resumed == [i for i, _ in whole][4 * P :]
 
+
+
+def flat_for_even_prompts() -> RewardFunc:
+    """Rewards all equal (zero variance) for the groups of even prompts: dynamic sampling drops them."""
+
+    async def reward(prompts, completions, **columns):
+        return [1.0 if int(p[1:]) % 2 == 0 else float(c[0]) for p, c in zip(prompts, completions)]
+
+    return RewardFunc(name="odd", fn=reward)
+
+
+def test_dynamic_sampling_at_s0_refills_and_resumes_exactly_once(tmp_path, saved):
+    """Each step trains P groups of odd prompts; the cursor saved counts the refill rounds' prompts too."""
+    dynamic = dict(drop_zero_variance_groups=True, max_dynamic_sampling_rounds=3, save_steps=3)
+    events, metrics, _ = run(0, steps=6, seed=4, tmp_path=tmp_path, reward=flat_for_even_prompts(), **dynamic)
+    whole = [e[1] for e in events if e[0] == "train"]
+    assert len(whole) == 6 * P and all(i % 2 for i in whole)
+    assert any(m["dynamic_sampling/rounds"] > 0 for m in metrics)
+    cursor = PromptCursor(40, seed=4)
+    cursor.load_state_dict(saved[0][1]["cursor"])  # the step-3 checkpoint
+    events, _, _ = run(0, steps=6, seed=4, tmp_path=tmp_path, start_step=3, cursor=cursor, reward=flat_for_even_prompts(), **dynamic)
+    assert [e[1] for e in events if e[0] == "train"] == whole[3 * P :]
 
 def test_buffer_takes_in_admission_order_and_waits_for_a_free_slot():
     async def scenario():

@@ -40,3 +40,15 @@ def test_hf_applies_extra_generation_kwargs(tiny_model_dir):
     penalised = build_generator(HFConfig(model=tiny_model_dir, device="cpu", generation_kwargs={"no_repeat_ngram_size": 1}))
     ids = asyncio.run(penalised.generate(prompt, params)).token_ids
     assert len(set(ids)) == len(ids)  # no token repeats: the setting reached generate
+
+
+def test_hf_ignore_eos_runs_past_a_sampled_eos_to_max_tokens(tiny_model_dir):
+    gen = build_generator(HFConfig(model=tiny_model_dir, device="cpu"))
+    eos = gen.tokenizer.eos_token_id
+    with torch.no_grad():
+        gen.model.lm_head.weight[eos] += 50.0  # EOS is now the greedy choice at every step
+    prompt = gen.tokenizer.encode("the answer")
+    stopped = asyncio.run(gen.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+    assert stopped.token_ids == [eos] and stopped.finish_reason == "stop"
+    ignored = asyncio.run(gen.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    assert ignored.token_ids == [eos] * 8 and ignored.finish_reason == "length"

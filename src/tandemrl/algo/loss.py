@@ -135,8 +135,9 @@ def importance_weights(
 
     The ratio is exp(old - behaviour) per token (token_*), or its product over the trained tokens of the
     token's sequence (sequence_*, the form a sequence-level objective such as GSPO needs). *_truncate
-    caps it: min(ratio, cap) (TIS: Yao et al. 2025; Espeholt et al. 2018); *_mask keeps it where
+    clamps it to [min_weight, cap] (TIS: Yao et al. 2025; Espeholt et al. 2018); *_mask keeps it where
     min_weight <= ratio <= cap and zeroes it elsewhere (masked IS), so outliers give no gradient at all.
+    Both are TRL 1.16's (vllm_importance_sampling_clip_min / _max).
     Example: old [log 3, log 0.5], behaviour [0, 0], seq_index [0, 1], cap 2:
       token_truncate -> [2.0, 0.5], token_mask -> [0.0, 0.5]; seq_index [0, 0]: sequence_truncate -> [1.5, 1.5]
     """
@@ -149,7 +150,7 @@ def importance_weights(
         log_ratio = sums[seq_index]  # [N]
     ratio = torch.exp(log_ratio)  # [N], may be inf: clamp and where handle it without nan
     if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
+        return ratio.clamp(min=min_weight, max=cap)
     return torch.where((ratio <= cap) & (ratio >= min_weight), ratio, torch.zeros_like(ratio))
 
 

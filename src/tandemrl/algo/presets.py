@@ -63,13 +63,11 @@ class LossConfig:
 
 
 def _check_tis(tis_mode: str | None, tis_min: float) -> None:
-    """--tis_mode is one of TRL's modes (None = the ratio level's truncate mode); --tis_min only masks."""
+    """--tis_mode is one of TRL's modes (None = the ratio level's truncate mode)."""
     if tis_mode not in (None, *TIS_MODES):
         raise ValueError(f"--tis_mode must be one of {', '.join(TIS_MODES)}, got {tis_mode!r}")
     if not 0 <= tis_min <= 1:
         raise ValueError(f"--tis_min must be in [0, 1], got {tis_min}")
-    if tis_min > 0 and (tis_mode or "truncate").endswith("truncate"):
-        raise ValueError("--tis_min applies to --tis_mode token_mask or sequence_mask; drop it or pick a mask mode")
 
 
 # GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
@@ -153,7 +151,8 @@ class AlgoConfig:
     None = the truncate mode of the ratio's level: sequence_truncate for gspo or
     --importance_sampling_level sequence (as TRL), token_truncate otherwise."""
     tis_min: float = 0.0
-    """*_mask modes: weights below this are masked too."""
+    """Lower bound of that weight (TRL's vllm_importance_sampling_clip_min): *_truncate modes raise weights
+    below it to it, *_mask modes zero them. 0 = none."""
     max_completion_length: int = 256
     """Most tokens sampled per completion; also the constant normaliser of dr_grpo."""
 

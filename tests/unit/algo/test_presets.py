@@ -84,7 +84,7 @@ def test_tis_mode_defaults_to_the_presets_and_can_be_chosen():
 
 @pytest.mark.parametrize(
     "values, message",
-    [({"tis_mode": "token"}, "--tis_mode must be one of"), ({"tis_min": 0.5}, "--tis_min applies to"), ({"tis_mode": "token_mask", "tis_min": 2.0}, "--tis_min must be in")],
+    [({"tis_mode": "token"}, "--tis_mode must be one of"), ({"tis_mode": "token_mask", "tis_min": 2.0}, "--tis_min must be in")],
 )
 def test_bad_tis_settings_name_the_flag(values, message):
     from tandemrl.algo.presets import AlgoConfig

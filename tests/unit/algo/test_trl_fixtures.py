@@ -2,7 +2,9 @@
 
 The fixtures were computed once by TRL's own `GRPOTrainer._compute_loss` (tests/fixtures/
 make_trl_loss_fixtures.py says how); this test needs no trl. Cases: loss type x importance sampling
-level x beta (with and without bias-corrected KL) x truncated IS (off, or the level's truncate mode).
+level x beta (with and without bias-corrected KL) x truncated IS (off, or the level's truncate mode), and
+every TRL importance sampling mode (token/sequence x truncate/mask, at either ratio level) with and
+without a lower bound (TRL's vllm_importance_sampling_clip_min, our --tis_min).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ C = FIXTURES["constants"]
 
 def _case_id(case: dict) -> str:
     kl = f"beta{case['beta']}" + ("" if case["use_bias_correction_kl"] else "-plainkl")
-    return f"{case['loss_type']}-{case['level']}-{kl}-tis_{case['tis']}"
+    floor = "" if case["tis_min"] is None else f"-min{case['tis_min']}"
+    return f"{case['loss_type']}-{case['level']}-{kl}-tis_{case['tis']}{floor}"
 
 
 def _packed() -> tuple[SimpleNamespace, torch.Tensor]:
@@ -48,7 +51,8 @@ def test_loss_gradient_and_metrics_equal_trl(case: dict) -> None:
     preset = PRESETS[case["loss_type"]]
     config = dataclasses.replace(
         preset, clip_low=C["epsilon"], clip_high=C["cispo_cap"] if preset.objective == "cispo" else C["epsilon_high"],
-        ratio_level=case["level"], kl_bias_correction=case["use_bias_correction_kl"], tis_mode=f"{case['level']}_truncate",
+        ratio_level=case["level"], kl_bias_correction=case["use_bias_correction_kl"],
+        tis_mode=case["tis"] if case["tis"] != "off" else f"{case['level']}_truncate", tis_min=case["tis_min"] or 0.0,
     )  # fmt: skip
     counts = dict(num_sequences=t["mask"].shape[0], num_tokens=int(t["mask"].sum()), max_completion_length=C["max_completion_length"])
     weights = token_weights(batch.seq_index, batch.loss_mask, aggregation=config.aggregation, **counts)

@@ -69,8 +69,9 @@ class DataConfig:
     num_generations_eval: int | None = None
     """TRL's name: completions per eval prompt (None = --num_generations)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """TRL's name: keyword arguments of the tokenizer's apply_chat_template for message prompts, as JSON on
-    the command line, e.g. '{"enable_thinking": false}' for Qwen3."""
+    """TRL's name: keyword arguments of the tokenizer's apply_chat_template wherever the policy's template is
+    rendered (message prompts, eval prompts, the turns of tool rollouts), as JSON on the command line,
+    e.g. '{"enable_thinking": false}' for Qwen3."""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:

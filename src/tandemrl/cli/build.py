@@ -102,8 +102,8 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
                 parts.evals.prompt_ids = _prompt_ids(config, parts.evals.examples, parts.tokenizer, tools)
             if env is not None:
                 parts.multi_turn = MultiTurn(
-                    env=env, chat=ChatFormat(parts.tokenizer, tools), max_turns=config.tools.max_turns,
-                    max_total_tokens=config.tools.max_total_tokens,
+                    env=env, chat=ChatFormat(parts.tokenizer, tools, chat_template_kwargs=config.data.chat_template_kwargs),
+                    max_turns=config.tools.max_turns, max_total_tokens=config.tools.max_total_tokens,
                 )
             await run_loop(parts, settings, start_step=start_step)
     finally:

@@ -6,7 +6,9 @@ stand-in conversation whose assistant turn is a marker, followed by those messag
 the text after the marker: the assistant turn's closing (e.g. ChatML's "<|im_end|>\\n", less the
 "<|im_end|>" when the model sampled it), the messages, the next assistant turn's opening. Cutting
 after the marker, not after a render of the stand-in alone, also serves templates that render the last
-assistant turn differently from earlier ones (Qwen3's empty <think> block).
+assistant turn differently from earlier ones (Qwen3's empty <think> block). Every render passes the
+run's chat_template_kwargs (e.g. enable_thinking), as the prompt's render did, so the next turn's
+opening is the one the first turn had.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def build_parser(name: str) -> ToolCallParser:
 class ChatFormat:
     """The token deltas of one tokenizer's chat template (and tools), for the turns of a rollout."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, *, chat_template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template; use an -Instruct model")
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # --chat_template_kwargs, at every render
         self._stand_in = _STAND_INS[0] if self._renders(_STAND_INS[0], tools) else _STAND_INS[1]
         probe = [{"role": "tool", "content": "x"}]
         same = self._after_mark(probe, True, tools) == self._after_mark(probe, True, None)
@@ -125,7 +128,9 @@ class ChatFormat:
         return True
 
     def _render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **self.chat_template_kwargs
+        )
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

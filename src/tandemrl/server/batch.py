@@ -48,7 +48,7 @@ def _prepare_all(prompter: Prompter, items: list[BatchItem]) -> tuple[list[tuple
 
 def _prepare(prompter: Prompter, item: BatchItem) -> tuple[list[int], SamplingParams]:
     messages = [m.model_dump() for m in item.messages] if item.messages is not None else None
-    prompt_ids = prompter.encode(prompt_ids=item.prompt_ids, prompt=item.prompt, messages=messages)
+    prompt_ids = prompter.encode(prompt_ids=item.prompt_ids, prompt=item.prompt, messages=messages, chat_template_kwargs=item.chat_template_kwargs)
     params = to_sampling_params(item)
     prompter.check(prompt_ids, params)
     return prompt_ids, params

@@ -53,6 +53,7 @@ class CompletionRequest(_Common):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's extension: keyword arguments of the chat template, e.g. {\"enable_thinking\": false}.")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -73,7 +74,7 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
 
     @app.post("/v1/chat/completions", summary="OpenAI: chat completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        prompt_ids = await prompter.encode_off_loop(messages=[m.model_dump() for m in body.messages])
+        prompt_ids = await prompter.encode_off_loop(messages=[m.model_dump() for m in body.messages], chat_template_kwargs=body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, prompter.max_model_len - len(prompt_ids))
         return await _respond(service, prompter, request, body, [prompt_ids], [_sampling(body, max_tokens)], chat=True)
 

@@ -10,6 +10,7 @@ never stalls the event loop (every stream and /health with it).
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 from tandemrl.types import SamplingParams
@@ -22,12 +23,16 @@ class Prompter:
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
 
-    def encode(self, *, prompt_ids: list[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(
+        self, *, prompt_ids: list[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         if prompt_ids is not None:
             return prompt_ids
         if prompt is not None:
             return self.tokenizer.encode(self.checked_text(prompt))
-        return self.tokenizer.encode(self.checked_text(self.chat_text(messages or [])), add_special_tokens=False)
+        text = self.chat_text(messages or [], **(chat_template_kwargs or {}))
+        return self.tokenizer.encode(self.checked_text(text), add_special_tokens=False)
 
     async def encode_off_loop(self, **prompt: Any) -> list[int]:
         """`encode`, in a worker thread when there is text to tokenize."""
@@ -44,10 +49,15 @@ class Prompter:
             raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {error.start}") from None
         return text
 
-    def chat_text(self, messages: list[dict]) -> str:
+    def chat_text(self, messages: list[dict], **chat_template_kwargs: Any) -> str:
+        """The chat template's text of `messages`, with a request's chat_template_kwargs (vLLM's field):
+        template variables only, never apply_chat_template's own arguments (a template, tokenize, ...)."""
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) & set(chat_template_kwargs)
+        if own:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(own))}: give the template's own variables")
         flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
         except Exception as error:  # jinja raises its own types for messages the template rejects
             raise ValueError(f"the chat template rejected the messages: {error}") from None
 

@@ -80,6 +80,7 @@ class Prompted(Sampling):
     prompt_ids: list[int] | None = Field(None, description="Prompt token ids (used as is).")
     prompt: str | None = Field(None, description="Prompt text (tokenized by the server).")
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the chat template is applied).")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: keyword arguments of the chat template, e.g. {\"enable_thinking\": false}.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Prompted:

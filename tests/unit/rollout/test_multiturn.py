@@ -160,3 +160,25 @@ def test_templates_that_render_the_last_turn_differently_get_the_right_delta(tin
     assert mt.chat.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     # a turn that stopped otherwise (no <|im_end|> sampled) gets the whole closing as context
     assert tokenizer.decode(mt.chat.delta_ids([{"role": "tool", "content": "1"}], last_sampled_id=5)).startswith("<|im_end|>\n<|im_start|>user")
+
+
+THINKING_SWITCH = QWEN3_LIKE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)
+
+
+def test_chat_template_kwargs_reach_every_turns_render(tiny_tokenizer):
+    """--chat_template_kwargs (Qwen3's enable_thinking) shape every turn's opening, not only the prompt's."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = THINKING_SWITCH
+    tool = [{"role": "tool", "content": "5"}]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    off = ChatFormat(tokenizer, chat_template_kwargs={"enable_thinking": False}).delta_ids(tool, last_sampled_id=im_end)
+    assert tokenizer.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = ChatFormat(tokenizer).delta_ids(tool, last_sampled_id=im_end)
+    assert tokenizer.decode(plain).endswith("<|im_start|>assistant\n")
+    assert off[: len(plain)] == plain

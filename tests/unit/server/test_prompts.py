@@ -1,0 +1,32 @@
+"""A request's prompt into token ids: chat messages through the template with the request's kwargs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tandemrl.server.openai import ChatRequest
+from tandemrl.server.prompts import Prompter
+from tandemrl.server.wire import GenerateRequest
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_of_a_request_reach_the_template(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    prompter = Prompter(tokenizer, vocab_size=len(tokenizer), max_model_len=512)
+    messages = [{"role": "user", "content": "hi"}]
+    off = prompter.encode(messages=messages, chat_template_kwargs={"enable_thinking": False})
+    assert tokenizer.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer.decode(prompter.encode(messages=messages)).endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="may not set tokenize"):  # template variables only
+        prompter.encode(messages=messages, chat_template_kwargs={"tokenize": True})
+    # both routes take the field under vLLM's name
+    assert GenerateRequest(messages=messages, chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
+    assert ChatRequest(messages=messages, chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs

@@ -87,14 +87,12 @@ class EngineSettings:
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
     tensor_parallel_size: int = 1
-    """GPUs the engine shards its model over."""
+    """GPUs the engine splits its model over (heads, MLP and vocab; tandem rollout uses GPUs 0..N-1, one
+    process each, and serves from the first)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "--tensor_parallel_size > 1: the engine does not shard a model yet; "
-                "run one rollout server per GPU (data parallel) instead"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     def memory_fraction(self, *, colocated: bool) -> float:
         """The one default of --gpu_memory_utilization: less when the trainer shares the GPU."""
@@ -141,15 +139,18 @@ class RemoteConfig:
 GeneratorConfig = HFConfig | EngineConfig | RemoteConfig
 
 
-def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None) -> Generator:
-    """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode."""
+def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None, tp: Any = None) -> Generator:
+    """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode. `tp`: the
+    engine's tensor-parallel group (generation/engine/parallel.py), when it is split across ranks."""
     match config:
         case EngineConfig():
             from tandemrl.generation.engine import Engine, unsupported_reason
 
             reason = unsupported_reason(config, model=model)
             if reason is None:
-                return Engine(config, model=model, tokenizer=tokenizer)
+                return Engine(config, model=model, tokenizer=tokenizer, tp=tp)
+            if config.tensor_parallel_size > 1:
+                raise ValueError(f"{reason}: the engine cannot serve it, and only the engine takes --tensor_parallel_size")
             log.warning("engine: %s; falling back to the hf generator", reason)
             from tandemrl.generation.hf import HFGenerator
 

@@ -19,8 +19,9 @@ def test_non_loopback_needs_a_key_or_insecure(monkeypatch):
     assert RolloutServerConfig(host="0.0.0.0").api_key == "from-env"
 
 
-def test_tensor_parallel_is_refused_until_the_engine_shards():
+def test_tensor_parallel_size_must_be_positive():
     from tandemrl.generation.base import EngineConfig
 
-    with pytest.raises(ValueError, match="--tensor_parallel_size > 1"):
-        EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2

@@ -14,12 +14,17 @@ so the tokens are those of a run without overlap; rows of sequences that finishe
 A step that raises fails no request by itself: its sequences wait again and are each prefilled alone
 (Scheduler.isolate), so the one that causes the failure fails alone, with the error, and the others
 go on to the tokens they would have drawn anyway (sampling noise depends on (seed, position) alone).
+
+Tensor parallelism (parallel.py): every rank runs this engine on its shard. The leader (rank 0) takes
+requests; under the step lock it sends each step's new requests and aborts, and every update, sleep and
+wake, to the followers, whose thread (`_follow`) applies them between the same two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -33,6 +38,7 @@ import torch
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine.kv_cache import BlockManager
 from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
+from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel
 from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
@@ -45,9 +51,17 @@ MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when nev
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None) -> None:
-        """`model`/`tokenizer`: the trainer's, in colocate mode (else loaded from config.model)."""
+    def __init__(self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None, tp: TensorParallel | None = None) -> None:
+        """`model`/`tokenizer`: the trainer's, in colocate mode (else loaded from config.model). `tp`: this
+        rank's tensor-parallel group (config.tensor_parallel_size ranks); a follower takes no requests."""
+        if config.tensor_parallel_size != (tp.size if tp is not None else 1):
+            raise ValueError(
+                f"--tensor_parallel_size {config.tensor_parallel_size}: the engine needs a group of that many ranks; "
+                "`tandem rollout --tensor_parallel_size N` starts them itself (a colocated engine is not split yet)"
+            )
         self.config = config
+        self.tp = tp
+        self.is_follower = tp is not None and not tp.is_leader
         self.version = 0
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -70,7 +84,7 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else (load_tokenizer(config.model) if config.model else None)
         self.max_model_len = config.model_len(max_positions=getattr(hf_config, "max_position_embeddings", None))
         source = model if model is not None else config.model
-        self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
+        self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=self.tp)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
 
     def _build_device_plane(self) -> None:
@@ -84,7 +98,8 @@ class Engine:
                 max_model_len=self.max_model_len,
                 use_graphs=not config.enforce_eager,
             )
-            self.blocks = BlockManager(self._num_kv_blocks(), config.block_size)
+            num_blocks = self._num_kv_blocks() if self.tp is None else self.tp.min(self._num_kv_blocks())  # the same on every rank
+            self.blocks = BlockManager(num_blocks, config.block_size)
             self.runner.allocate_kv_cache(len(self.blocks.blocks))
 
     def _build_control_plane(self) -> None:
@@ -113,9 +128,12 @@ class Engine:
         self._num_exclusive = 0
         self._sleeping = False
         self._closed = False
+        self._lost_leader = False
+        self._following: dict[int, Sequence] = {}  # a follower's unfinished sequences by the leader's seq_id
+        self._handed: queue.Queue = queue.Queue(maxsize=1)  # a follower's own weights for the leader's next update
 
     def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread = threading.Thread(target=self._follow if self.is_follower else self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
     streams_tokens = True  # generate() takes on_token
@@ -124,6 +142,8 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:
         """`on_token`, if given, is called on this event loop with each token as it is sampled, all of
         them before the completion is returned."""
+        if self.is_follower:
+            raise RuntimeError("a tensor-parallel follower takes no requests; send them to rank 0's engine")
         self._validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -150,44 +170,93 @@ class Engine:
         self._wake.set()
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Full Hugging Face-named tensors; each rank keeps its shard. With tensor parallelism the leader
+        decides when: it broadcasts its tensors (tp.broadcast_weights), or each follower's own call hands
+        them to its thread, which waits for them when the leader's update comes."""
+        if self.is_follower:
+            await asyncio.to_thread(self._hand_over, weights, version)
+            return
         await asyncio.to_thread(self._update_weights, weights, version)
 
     def _update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         with self._between_steps():
-            self.model.load_weights(weights)
-            self.blocks.reset_prefix_cache()
-            self.version = version
+            if self.tp is not None:
+                self.tp.send(("update", version))
+                if self.tp.broadcast_weights:
+                    weights = self.tp.shared_weights(weights, self.device)
+            self._load_weights(weights, version)
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.model.load_weights(weights)
+        self.blocks.reset_prefix_cache()
+        self.version = version
+
+    def _hand_over(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A follower's own tensors, for the leader's next update; returns once they are loaded."""
+        done = threading.Event()
+        self._handed.put((weights, version, done), timeout=self.tp.timeout_s)
+        if not done.wait(self.tp.timeout_s):
+            raise TimeoutError(f"the tensor-parallel leader sent no weight update within {self.tp.timeout_s:g} s")
+
+    def _follow_update(self, version: int) -> None:
+        if self.tp.broadcast_weights:
+            self._load_weights(self.tp.shared_weights(None, self.device), version)
+            return
+        weights, _, done = self._handed.get(timeout=self.tp.timeout_s)
+        try:
+            self._load_weights(weights, version)
+        finally:
+            done.set()
 
     async def sleep(self, level: int) -> None:
-        await asyncio.to_thread(self._sleep, level)
+        """On a follower nothing: the leader's sleep and wake reach every rank."""
+        if not self.is_follower:
+            await asyncio.to_thread(self._sleep, level)
 
     def _sleep(self, level: int) -> None:
         with self._between_steps():
-            if self._sleeping:
-                return
-            self.scheduler.preempt_all()
-            self.blocks.reset_prefix_cache()
-            self.runner.free_kv_cache()
-            if level >= 2 and self.device.type == "cuda":
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
-            self._sleeping = True
+            if self.tp is not None:
+                self.tp.send(("sleep", level))
+            self._sleep_now(level)
+
+    def _sleep_now(self, level: int) -> None:
+        if self._sleeping:
+            return
+        self.scheduler.preempt_all()
+        self.blocks.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if level >= 2 and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._sleeping = True
 
     async def wake(self) -> None:
-        await asyncio.to_thread(self._wake_up)
+        if not self.is_follower:
+            await asyncio.to_thread(self._wake_up)
 
     def _wake_up(self) -> None:
         with self._between_steps():
-            if not self._sleeping:
-                return
-            self.model.to(self.device)
-            self.runner.allocate_kv_cache(len(self.blocks.blocks))
-            self._sleeping = False
+            if self.tp is not None:
+                self.tp.send(("wake", 0))
+            self._wake_now()
+
+    def _wake_now(self) -> None:
+        if not self._sleeping:
+            return
+        self.model.to(self.device)
+        self.runner.allocate_kv_cache(len(self.blocks.blocks))
+        self._sleeping = False
 
     async def close(self) -> None:
+        """Ends the engine thread; a follower's ends when its leader closes (waited for up to tp.timeout_s)."""
         self._closed = True
         self._wake.set()
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, self.tp.timeout_s if self.is_follower else None)
+
+    def follow(self) -> bool:
+        """A follower: blocks until its leader closes (True) or goes silent (False)."""
+        self._thread.join()
+        return not self._lost_leader
 
     # --- observability -------------------------------------------------------------------------------
     def num_unfinished(self) -> int:
@@ -226,21 +295,47 @@ class Engine:
             self._run_loop()
 
     def _run_loop(self) -> None:
+        idle_s = HEARTBEAT_S if self.tp is not None else None  # a follower hears from its leader at least this often
         while True:
-            self._drain_inbox()
-            if self._closed:
-                self._fail_all(RuntimeError("the engine was closed"))
-                return
-            if self._sleeping or not self.scheduler.num_unfinished():
-                self._wake.wait()
-                self._wake.clear()
-                continue
             with self._cond:
                 self._cond.wait_for(lambda: self._num_exclusive == 0)
             with self._step_lock:
-                if self._sleeping:
-                    continue
-                self._guarded(self.step)
+                events, closed = self._take_inbox(), self._closed  # read once: close() may flip it meanwhile
+                self._apply(events)
+                run = not closed and not self._sleeping and self.scheduler.num_unfinished() > 0
+                if self.tp is not None:
+                    self.tp.send(("tick", [_on_wire(event) for event in events], run, closed))
+                if closed:
+                    self._fail_all(RuntimeError("the engine was closed"))
+                    return
+                if run:
+                    self._guarded(self.step)
+            if not run:
+                self._wake.wait(idle_s)
+                self._wake.clear()
+
+    def _follow(self) -> None:
+        """A follower's thread: the leader's messages, each applied under the step lock, until it closes."""
+        with self._on_device():
+            while True:
+                try:
+                    kind, *args = self.tp.receive()
+                except Exception as error:  # noqa: BLE001 - the leader is gone: this rank's engine ends with it
+                    log.error("tensor-parallel rank %d: no word from the leader (%s); stopping", self.tp.rank, error)
+                    self._closed = self._lost_leader = True
+                    return
+                with self._step_lock:
+                    if kind != "tick":
+                        self._guarded(self._finish_ahead)
+                        {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
+                        continue
+                    wire, run, closed = args
+                    self._apply([self._off_wire(event) for event in wire])
+                    if closed:
+                        self._fail_all(RuntimeError("the engine was closed"))
+                        return
+                    if run:
+                        self._guarded(self.step)
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
@@ -322,19 +417,35 @@ class Engine:
                 seq.isolated = False
         times.postprocess_s += time.perf_counter() - start
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> list[tuple[str, Any]]:
+        events = []
         while True:
             try:
-                kind, seq = self._inbox.get_nowait()
+                events.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
+                return events
+
+    def _apply(self, events: list[tuple[str, Any]]) -> None:
+        for kind, seq in events:
             if kind == "add_many":
                 for one in seq:
                     self.scheduler.add(one)
                 self._streaming.update(one for one in seq if one.on_token is not None)
-            elif self.scheduler.abort(seq):
+            elif seq is not None and self.scheduler.abort(seq):
                 self._streaming.discard(seq)
                 seq.on_finish(seq.completion())
+
+    def _off_wire(self, event: tuple[str, Any]) -> tuple[str, Any]:
+        """A follower's copy of the leader's event (_on_wire): its own Sequences, found again by seq_id."""
+        kind, payload = event
+        if kind == "abort":
+            return kind, self._following.get(payload)
+        seqs = []
+        for seq_id, token_ids, params, seed, stop_ids in payload:
+            on_finish = functools.partial(_forget, self._following, seq_id)
+            seqs.append(Sequence(token_ids, params, seed=seed, stop_ids=stop_ids, on_finish=on_finish, seq_id=seq_id))
+            self._following[seq_id] = seqs[-1]
+        return kind, seqs
 
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
@@ -390,6 +501,18 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
         if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
             raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
+
+
+def _on_wire(event: tuple[str, Any]) -> tuple[str, Any]:
+    """An inbox event as the leader sends it: what a follower needs to replay it (no callbacks)."""
+    kind, payload = event
+    if kind == "abort":
+        return kind, payload.seq_id
+    return kind, [(s.seq_id, s.token_ids, s.params, s.seed, s.stop_ids) for s in payload]
+
+
+def _forget(following: dict[int, Sequence], seq_id: int, _: Any) -> None:
+    following.pop(seq_id, None)
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:

@@ -5,6 +5,9 @@ Legend: N tokens of the step, E hidden size, H query heads, K key/value heads, D
 
 Parameter names are the Hugging Face ones, except the fused `qkv_proj` and `gate_up_proj`, which
 `load_weight` fills from q/k/v_proj and gate/up_proj, so `update_weights` takes Hugging Face names.
+With tensor parallelism (parallel.py) every parameter holds this rank's shard, and `load_weights` cuts
+it from the full Hugging Face tensor (`_split`): query heads, key/value heads (each rank one of them
+when there are fewer than ranks), MLP columns and vocab rows are split; norms are whole on every rank.
 Numerics follow transformers: RMSNorm in float32, rotate-half RoPE from a float32 cos/sin table.
 """
 
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandemrl.generation.engine.layers.attention import AttentionMetadata, paged_attention
+from tandemrl.generation.engine.layers.sharded import RowParallelLinear, VocabParallelEmbedding, gathered_logits
+from tandemrl.generation.engine.parallel import Shard, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -97,15 +102,28 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def check_shardable(config: Any, size: int) -> None:
+    """Raises ValueError when `size` ranks cannot split this model's heads and MLP evenly."""
+    heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if heads % size or inner % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(
+            f"--tensor_parallel_size {size} does not divide the model ({heads} attention heads, {kv_heads} key/value "
+            f"heads, MLP width {inner}); pick a size that divides the heads and the MLP width"
+        )
+
+
 class Attention(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
+        size = tp.size if tp is not None else 1
+        self.num_heads = config.num_attention_heads // size  # this rank's
+        self.num_kv_heads = max(config.num_key_value_heads // size, 1)  # one, replicated, when fewer than ranks
+        self.head_dim = head_dim
         hidden = config.hidden_size
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         self.qkv_proj = nn.Linear(hidden, sum(self.qkv_sizes), bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(self.num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False), tp=tp)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -134,11 +152,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallel | None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inner = config.intermediate_size // (tp.size if tp is not None else 1)  # this rank's columns
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inner, bias=bias)
+        self.down_proj = RowParallelLinear(inner, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
@@ -151,10 +170,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, head_dim)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, head_dim, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -167,24 +186,31 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None, vocab_rows: tuple[int, int]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim) for _ in range(config.num_hidden_layers))
+        start, rows = vocab_rows
+        self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, start=start, tp=tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [N], positions [N], meta) -> hidden [N, E]; compute_logits(hidden) -> [*, V]."""
+    """forward(input_ids [N], positions [N], meta) -> hidden [N, E]; compute_logits(hidden) -> [*, V].
+    `tp`: this rank's group when the model is split across ranks (every rank runs the same calls)."""
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, config: Any, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.shard = Shard(tp.rank, tp.size) if tp is not None else Shard()
+        check_shardable(config, self.shard.size)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model = Backbone(config, self.head_dim)
+        rows = -(-config.vocab_size // self.shard.size)  # the last rank's rows padded with zeros
+        self.vocab_rows = (self.shard.rank * rows, rows)
+        self.model = Backbone(config, self.head_dim, tp, self.vocab_rows)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.max_positions = max_positions
         self.rope_cos_sin = torch.empty(0)  # [P, 2, D] float32, set by rope_table(); kept out of .to(dtype)
 
@@ -208,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return gathered_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
@@ -218,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
+            tensor = self._split(name, tensor)
             target, start, size = self._target(name, params)
             if target is None:
                 continue
@@ -243,8 +270,28 @@ class LlamaForCausalLM(nn.Module):
     def _fused_sizes(self, fused: str) -> list[int]:
         if fused == "qkv_proj":
             return self.model.layers[0].self_attn.qkv_sizes
-        size = self.config.intermediate_size
+        size = self.config.intermediate_size // self.shard.size
         return [size, size]
+
+    def _split(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's part of the full Hugging Face tensor `name` (the tensor itself on one rank)."""
+        if self.shard.size == 1:
+            return tensor
+        config, shard, head_dim = self.config, self.shard, self.head_dim
+        kv_heads = config.num_key_value_heads
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            start, rows = self.vocab_rows
+            part = tensor[start : start + rows]
+            return torch.cat((part, part.new_zeros(rows - len(part), *part.shape[1:]))) if len(part) < rows else part
+        if ".q_proj." in name or name.endswith("o_proj.weight"):
+            start, length = shard.span(config.num_attention_heads)
+        elif ".k_proj." in name or ".v_proj." in name:
+            start, length = shard.span(kv_heads) if kv_heads >= shard.size else (shard.rank * kv_heads // shard.size, 1)
+        elif ".gate_proj." in name or ".up_proj." in name or name.endswith("down_proj.weight"):
+            return tensor.narrow(-1 if name.endswith("down_proj.weight") else 0, *shard.span(config.intermediate_size))
+        else:  # norms and row-parallel biases: whole on every rank
+            return tensor
+        return tensor.narrow(-1 if name.endswith("o_proj.weight") else 0, start * head_dim, length * head_dim)
 
 
 _FUSED = (

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from tandemrl.generation.engine.models.llama import _FUSED, LlamaForCausalLM
+from tandemrl.generation.engine.parallel import TensorParallel
 
 
 def resolve_model_dir(name: str) -> str:
@@ -50,10 +51,13 @@ def weights_of(source: Any) -> Iterator[tuple[str, Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(hf_config: Any, weights: Iterator[tuple[str, Tensor]], *, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    """Allocates the model uninitialised on `device`, then fills every parameter from `weights`."""
+def build_model(
+    hf_config: Any, weights: Iterator[tuple[str, Tensor]], *, dtype: torch.dtype, device: torch.device, max_positions: int, tp: TensorParallel | None = None
+) -> LlamaForCausalLM:
+    """Allocates the model (this rank's shard, with `tp`) uninitialised on `device`, then fills every
+    parameter from `weights` (full Hugging Face tensors)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_positions).to(dtype)
+        model = LlamaForCausalLM(hf_config, max_positions, tp).to(dtype)
     model = model.to_empty(device=device).eval()
     model.rope_cos_sin = model.rope_table().to(device)
     written = model.load_weights(weights)

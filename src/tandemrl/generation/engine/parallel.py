@@ -1,0 +1,149 @@
+"""Tensor parallelism of the engine: the ranks of one model, their collectives, and the leader's channel.
+
+Every rank holds one shard of the model (heads, MLP columns and vocab rows split by rank) and runs the
+same engine: the same scheduler on the same inputs, so the same batches, the same collectives in the
+same order, and the same sampled tokens (every rank samples the gathered logits with the same
+counter-based noise). Rank 0, the leader, takes the requests; before each step it sends what arrived
+(new requests, aborts) and whether to step, and it sends weight updates, sleep and wake the same way,
+so every rank changes state between the same two steps. Every wait has a deadline (`timeout_s`): a
+silent leader is an error on a follower, and a dead follower is the leader's process owner's to catch
+(workers.py watches its processes).
+
+Groups are built from a store (no default process group) or handed in (colocate: ranks of a trainer
+under torchrun); only their own collectives are used (all_reduce, all_gather, broadcast).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+MESSAGE_BYTES = 4096  # one broadcast carries a message this long (a step's usual one); longer ones take two
+HEARTBEAT_S = 1.0  # an idle leader still speaks this often, so a follower's deadline means a dead leader
+
+
+@dataclass(kw_only=True)
+class TensorParallel:
+    """One model's ranks. `group` carries the forward's collectives (NCCL on GPUs, gloo on CPU),
+    `control` (gloo, CPU) the leader's messages. `broadcast_weights`: updates reach the leader only
+    (a rollout server) and it broadcasts them; False when every rank is handed the same full tensors
+    (colocate: each trainer rank gathers them)."""
+
+    group: Any  # torch.distributed ProcessGroup
+    control: Any  # torch.distributed ProcessGroup, gloo
+    timeout_s: float = 300.0
+    broadcast_weights: bool = True
+    store: Any = None  # the rendezvous store, kept alive with the groups when this rank owns it
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # --- the forward's collectives -------------------------------------------------------------------
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum over ranks, in place (identical on every rank)."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def all_gather_last(self, x: Tensor) -> Tensor:
+        """[..., C] on each rank -> [..., size * C], rank r's columns at [r * C, (r + 1) * C)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def min(self, value: int) -> int:
+        """The smallest `value` of all ranks (e.g. KV blocks that fit on every GPU)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.control.allreduce([tensor], options).wait(timedelta(seconds=self.timeout_s))
+        return int(tensor.item())
+
+    # --- the leader's channel ------------------------------------------------------------------------
+    def send(self, message: Any) -> None:
+        """Leader: `message` (picklable) to every follower."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        inline = data[: MESSAGE_BYTES - 8]
+        head[8 : 8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+        self._broadcast_control(head)
+        if len(data) > len(inline):
+            self._broadcast_control(torch.frombuffer(bytearray(data[len(inline) :]), dtype=torch.uint8))
+
+    def receive(self) -> Any:
+        """Follower: the leader's next message; raises when none comes within timeout_s."""
+        head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+        self._broadcast_control(head)
+        length = int(head[:8].view(torch.int64).item())
+        data = head[8 : 8 + min(length, MESSAGE_BYTES - 8)].numpy().tobytes()
+        if length > len(data):
+            rest = torch.empty(length - len(data), dtype=torch.uint8)
+            self._broadcast_control(rest)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
+
+    def _broadcast_control(self, tensor: Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.control.broadcast([tensor], options).wait(timedelta(seconds=self.timeout_s))
+
+    def shared_weights(self, weights: Iterable[tuple[str, Tensor]] | None, device: torch.device) -> Iterator[tuple[str, Tensor]]:
+        """Leader (`weights` given): each named tensor, broadcast to the followers as it is yielded.
+        Follower (`weights` None): the leader's tensors as they arrive, on `device`."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        if weights is not None:
+            for name, tensor in weights:
+                tensor = tensor.to(device).contiguous()
+                self.send((name, tensor.dtype, tuple(tensor.shape)))
+                self.group.broadcast([tensor], options).wait()
+                yield name, tensor
+            self.send(None)
+            return
+        while (meta := self.receive()) is not None:
+            name, dtype, shape = meta
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            self.group.broadcast([tensor], options).wait()
+            yield name, tensor
+
+
+def connect(store: Any, *, rank: int, size: int, device: torch.device, timeout_s: float = 300.0) -> TensorParallel:
+    """The two groups of one model's ranks, rendezvoused through `store` (a torch.distributed Store)."""
+    timeout = timedelta(seconds=timeout_s)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("tp-control", store), rank, size, timeout)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("tp-device", store), rank, size, options)
+    else:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("tp-device", store), rank, size, timeout)
+    return TensorParallel(group=group, control=control, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This rank's share of one model: `rank` of `size`. Example: Shard(1, 2).span(12) -> (6, 6)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def span(self, total: int) -> tuple[int, int]:
+        """(start, length) of this rank's part of `total` split evenly (total % size == 0)."""
+        length = total // self.size
+        return self.rank * length, length

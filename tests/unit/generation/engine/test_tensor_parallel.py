@@ -1,0 +1,124 @@
+"""Engine tensor parallelism on CPU (gloo, 2 processes): greedy tokens equal TP = 1 exactly, logprobs
+within float tolerance, for every family (split and replicated KV heads, a vocab that does not divide),
+and after a weight update by Hugging Face name, broadcast by the leader (a server) or handed to every
+rank (colocate). One spawn runs every case; TP = 1 runs here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tandemrl.generation.base import EngineConfig
+from tandemrl.generation.engine import Engine
+from tandemrl.generation.engine.parallel import connect
+from tandemrl.types import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+PROMPTS = ([5, 17, 40, 2], [100, 3], [7] * 9, [250, 251, 252])
+
+
+def _config(model_dir: str, size: int) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cpu", kv_cache_tokens=1024, tensor_parallel_size=size)
+
+
+def _updated(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    """New weights by Hugging Face name, the same in every process: some heads, an MLP and the vocab changed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    changed = ("q_proj.weight", "v_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    return [(name, -t if name.endswith(changed) else t) for name, t in model.state_dict().items()]
+
+
+async def _outputs(engine: Engine) -> dict[str, list]:
+    params = [GREEDY] * len(PROMPTS) + [SAMPLED]
+    done = await asyncio.gather(*(engine.generate(p, s) for p, s in zip([*PROMPTS, PROMPTS[0]], params)))
+    return {"token_ids": [c.token_ids for c in done], "logprobs": [c.logprobs for c in done], "versions": [c.policy_versions[-1] for c in done]}
+
+
+async def _lead(engine: Engine, model_dir: str) -> dict[str, dict]:
+    before = await _outputs(engine)
+    await engine.update_weights(_updated(model_dir), version=1)
+    return {"before": before, "after": await _outputs(engine)}
+
+
+def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]], path: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
+    results = {}
+    for name, model_dir, broadcast in cases:
+        tp = connect(dist.PrefixStore(name, store), rank=rank, size=2, device=torch.device("cpu"), timeout_s=60)
+        tp.broadcast_weights = broadcast
+        engine = Engine(_config(model_dir, 2), tp=tp)
+        if rank == 0:
+            results[name] = asyncio.run(_lead(engine, model_dir))
+            asyncio.run(engine.close())
+            continue
+        if not broadcast:  # colocate: this rank's own trainer hands the same tensors over
+            asyncio.run(engine.update_weights(_updated(model_dir), version=1))
+        assert engine.follow()
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f)
+
+
+def _tp2(cases: list[tuple[str, str, bool]], path: str) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_rank, args=(rank, store.port, cases, path)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
+    from tandemrl.tasks.tiny import save_tiny
+
+    # one KV head for two ranks (replicated), and a vocab of 321 rows: the last rank's rows padded
+    odd = save_tiny(str(tmp_path_factory.mktemp("kv1")), seed=2, num_key_value_heads=1, vocab_size=321)
+    return {**family_dirs, "kv1-odd-vocab": odd}
+
+
+@pytest.fixture(scope="module")
+def tp2_results(model_dirs, tmp_path_factory) -> dict[str, dict]:
+    cases = [(name, path, name != "qwen3") for name, path in model_dirs.items()]  # qwen3: colocate-style update
+    path = str(tmp_path_factory.mktemp("tp") / "results.json")
+    _tp2(cases, path)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3-untied", "qwen3", "kv1-odd-vocab"])
+def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_dirs, tp2_results):
+    engine = Engine(_config(model_dirs[name], 1))
+    try:
+        expected = asyncio.run(_lead(engine, model_dirs[name]))
+    finally:
+        asyncio.run(engine.close())
+    got = tp2_results[name]
+    for phase in ("before", "after"):
+        assert got[phase]["token_ids"] == expected[phase]["token_ids"], phase
+        for a, b in zip(got[phase]["logprobs"], expected[phase]["logprobs"]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4), phase
+        assert got[phase]["versions"] == expected[phase]["versions"]
+    assert got["before"]["token_ids"] != got["after"]["token_ids"]  # the update changed the output
+
+
+def test_a_split_engine_without_its_group_or_with_heads_that_do_not_divide_is_one_clear_error(model_dirs):
+    with pytest.raises(ValueError, match="needs a group of that many ranks"):
+        Engine(_config(model_dirs["qwen2"], 2))
+    from transformers import AutoConfig
+
+    from tandemrl.generation.engine.models.llama import check_shardable
+
+    with pytest.raises(ValueError, match="--tensor_parallel_size 3 does not divide the model"):
+        check_shardable(AutoConfig.from_pretrained(model_dirs["qwen2"]), 3)

@@ -7,6 +7,7 @@ loads), imports torch and the backend after, binds, then prints one line with th
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from typing import Any
@@ -36,7 +37,10 @@ def parse(argv: list[str]) -> tuple[RolloutServerConfig, EngineConfig]:
     values: dict[str, Any] = {**(load_yaml(config_path) if config_path else {})}
     check_known(values, [RolloutServerConfig, EngineConfig], config_path or "", command="rollout")
     values.update(args)
-    return build_config(RolloutServerConfig, values), build_config(EngineConfig, values)
+    config, engine = build_config(RolloutServerConfig, values), build_config(EngineConfig, values)
+    if engine.tensor_parallel_size > 1 and config.backend != "engine":
+        raise ValueError("--tensor_parallel_size > 1 needs --backend engine (the hf backend runs on one device)")
+    return config, engine
 
 
 def serve(config: RolloutServerConfig, engine: EngineConfig) -> None:
@@ -45,7 +49,8 @@ def serve(config: RolloutServerConfig, engine: EngineConfig) -> None:
     from tandemrl.server.build import build_server
 
     model, tokenizer = _built_in(engine)
-    app = build_server(config, engine, heartbeat_s=0.0 if sys.stdout.isatty() else 30.0, model=model, tokenizer=tokenizer)
+    heartbeat_s = 0.0 if sys.stdout.isatty() else 30.0
+    app = build_server(config, engine, heartbeat_s=heartbeat_s, model=model, tokenizer=tokenizer, on_rank_death=_rank_died)
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     print(f"tandem rollout: serving {engine.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
@@ -66,6 +71,12 @@ def _built_in(engine: EngineConfig) -> tuple[Any, Any]:
 
     tokenizer = build_tokenizer()
     return build_model(tokenizer, seed=0).to(resolve_device(engine.device)), tokenizer
+
+
+def _rank_died(rank: int, exit_code: int | None) -> None:
+    """A tensor-parallel rank exited: the model misses a shard and cannot generate, so the server stops."""
+    print(f"tandem rollout: tensor-parallel rank {rank} exited (code {exit_code}); stopping the server", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _bind(host: str, port: int) -> socket.socket:

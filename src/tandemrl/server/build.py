@@ -4,6 +4,7 @@ prompts, the weight receiver, and the app. The one place the server's backend is
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
@@ -16,9 +17,19 @@ from tandemrl.weights import ipc
 from tandemrl.weights.group import WeightReceiver
 
 
-def build_server(config: RolloutServerConfig, engine: EngineConfig, *, heartbeat_s: float = 0.0, model: Any = None, tokenizer: Any = None) -> Any:
+def build_server(
+    config: RolloutServerConfig,
+    engine: EngineConfig,
+    *,
+    heartbeat_s: float = 0.0,
+    model: Any = None,
+    tokenizer: Any = None,
+    on_rank_death: Callable[[int, int | None], None] | None = None,
+) -> Any:
     """`engine`: the served model and the engine's settings (its dtype and device serve hf too). `model` and
-    `tokenizer`, when given, are served instead of loading `engine.model` (a model built in code)."""
+    `tokenizer`, when given, are served instead of loading `engine.model` (a model built in code). With
+    --tensor_parallel_size N this process is rank 0 and starts ranks 1..N-1; `on_rank_death(rank, exit code)`
+    is called if one of them dies."""
     from transformers import AutoConfig
 
     import torch
@@ -36,7 +47,13 @@ def build_server(config: RolloutServerConfig, engine: EngineConfig, *, heartbeat
             sized = dataclasses.replace(
                 engine, device=str(device), max_model_len=max_model_len, gpu_memory_utilization=engine.memory_fraction(colocated=False)
             )
-            generator = build_generator(sized, model=model, tokenizer=tokenizer)
+            tp = None
+            if sized.tensor_parallel_size > 1:
+                from tandemrl.generation.engine.workers import launch
+
+                assert on_rank_death is not None
+                tp, _ = launch(sized, model=model, tokenizer=tokenizer, on_death=on_rank_death)
+            generator = build_generator(sized, model=model, tokenizer=tokenizer, tp=tp)
     service = RolloutService(
         generator,
         model_name=config.served_model_name or engine.model,

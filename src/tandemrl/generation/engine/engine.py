@@ -17,14 +17,14 @@ go on to the tokens they would have drawn anyway (sampling noise depends on (see
 
 Tensor parallelism (parallel.py): every rank runs this engine on its shard. The leader (rank 0) takes
 requests; under the step lock it sends each step's new requests and aborts, and every update, sleep and
-wake, to the followers, whose thread (`_follow`) applies them between the same two steps.
+wake, to the followers, whose thread (`_follow`) applies them between the same two steps. (Past 500
+lines: the leader's and the follower's sides share the step lock and every state it guards.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import queue
@@ -38,7 +38,7 @@ import torch
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine.kv_cache import BlockManager
 from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
-from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel
+from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel, from_wire, to_wire
 from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
@@ -194,7 +194,7 @@ class Engine:
     def _hand_over(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """A follower's own tensors, for the leader's next update; returns once they are loaded."""
         done = threading.Event()
-        self._handed.put((weights, version, done), timeout=self.tp.timeout_s)
+        self._handed.put((weights, done), timeout=self.tp.timeout_s)
         if not done.wait(self.tp.timeout_s):
             raise TimeoutError(f"the tensor-parallel leader sent no weight update within {self.tp.timeout_s:g} s")
 
@@ -202,7 +202,7 @@ class Engine:
         if self.tp.broadcast_weights:
             self._load_weights(self.tp.shared_weights(None, self.device), version)
             return
-        weights, _, done = self._handed.get(timeout=self.tp.timeout_s)
+        weights, done = self._handed.get(timeout=self.tp.timeout_s)
         try:
             self._load_weights(weights, version)
         finally:
@@ -254,7 +254,8 @@ class Engine:
         await asyncio.to_thread(self._thread.join, self.tp.timeout_s if self.is_follower else None)
 
     def follow(self) -> bool:
-        """A follower: blocks until its leader closes (True) or goes silent (False)."""
+        """A follower: blocks until its leader closes (True), or it cannot follow any more (False: the
+        leader is silent or gone, or a message failed here)."""
         self._thread.join()
         return not self._lost_leader
 
@@ -304,7 +305,7 @@ class Engine:
                 self._apply(events)
                 run = not closed and not self._sleeping and self.scheduler.num_unfinished() > 0
                 if self.tp is not None:
-                    self.tp.send(("tick", [_on_wire(event) for event in events], run, closed))
+                    self.tp.send(("tick", [to_wire(event) for event in events], run, closed))
                 if closed:
                     self._fail_all(RuntimeError("the engine was closed"))
                     return
@@ -317,25 +318,27 @@ class Engine:
     def _follow(self) -> None:
         """A follower's thread: the leader's messages, each applied under the step lock, until it closes."""
         with self._on_device():
-            while True:
-                try:
-                    kind, *args = self.tp.receive()
-                except Exception as error:  # noqa: BLE001 - the leader is gone: this rank's engine ends with it
-                    log.error("tensor-parallel rank %d: no word from the leader (%s); stopping", self.tp.rank, error)
-                    self._closed = self._lost_leader = True
-                    return
-                with self._step_lock:
-                    if kind != "tick":
-                        self._guarded(self._finish_ahead)
-                        {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
-                        continue
-                    wire, run, closed = args
-                    self._apply([self._off_wire(event) for event in wire])
-                    if closed:
-                        self._fail_all(RuntimeError("the engine was closed"))
-                        return
-                    if run:
-                        self._guarded(self.step)
+            try:
+                while self._follow_one(*self.tp.receive()):
+                    pass
+            except Exception as error:  # noqa: BLE001 - a rank that cannot follow ends; follow() says so
+                log.error("tensor-parallel rank %d stops following its leader: %s: %s", self.tp.rank, type(error).__name__, error)
+                self._closed = self._lost_leader = True
+
+    def _follow_one(self, kind: str, *args: Any) -> bool:
+        with self._step_lock:
+            if kind != "tick":
+                self._guarded(self._finish_ahead)
+                {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
+                return True
+            wire, run, closed = args
+            self._apply([from_wire(event, self._following) for event in wire])
+            if closed:
+                self._fail_all(RuntimeError("the engine was closed"))
+                return False
+            if run:
+                self._guarded(self.step)
+            return True
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
@@ -435,17 +438,6 @@ class Engine:
                 self._streaming.discard(seq)
                 seq.on_finish(seq.completion())
 
-    def _off_wire(self, event: tuple[str, Any]) -> tuple[str, Any]:
-        """A follower's copy of the leader's event (_on_wire): its own Sequences, found again by seq_id."""
-        kind, payload = event
-        if kind == "abort":
-            return kind, self._following.get(payload)
-        seqs = []
-        for seq_id, token_ids, params, seed, stop_ids in payload:
-            on_finish = functools.partial(_forget, self._following, seq_id)
-            seqs.append(Sequence(token_ids, params, seed=seed, stop_ids=stop_ids, on_finish=on_finish, seq_id=seq_id))
-            self._following[seq_id] = seqs[-1]
-        return kind, seqs
 
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
@@ -501,18 +493,6 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
         if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
             raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
-
-
-def _on_wire(event: tuple[str, Any]) -> tuple[str, Any]:
-    """An inbox event as the leader sends it: what a follower needs to replay it (no callbacks)."""
-    kind, payload = event
-    if kind == "abort":
-        return kind, payload.seq_id
-    return kind, [(s.seq_id, s.token_ids, s.params, s.seed, s.stop_ids) for s in payload]
-
-
-def _forget(following: dict[int, Sequence], seq_id: int, _: Any) -> None:
-    following.pop(seq_id, None)
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:

@@ -15,6 +15,7 @@ under torchrun); only their own collectives are used (all_reduce, all_gather, br
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from tandemrl.generation.engine.sequence import Sequence
 
 MESSAGE_BYTES = 4096  # one broadcast carries a message this long (a step's usual one); longer ones take two
 HEARTBEAT_S = 1.0  # an idle leader still speaks this often, so a follower's deadline means a dead leader
@@ -136,6 +139,22 @@ def connect(store: Any, *, rank: int, size: int, device: torch.device, timeout_s
     return TensorParallel(group=group, control=control, timeout_s=timeout_s)
 
 
+def split_world(size: int, *, timeout_s: float = 300.0) -> TensorParallel:
+    """Colocate under torchrun: ranks [k * size, (k + 1) * size) of the default process group split one
+    engine (the first leads; it alone takes requests); each rank's trainer hands its engine the same full
+    tensors (broadcast_weights False). Every rank of the world calls this (new_group is collective)."""
+    world, rank, timeout = dist.get_world_size(), dist.get_rank(), timedelta(seconds=timeout_s)
+    if world % size:
+        raise ValueError(f"--tensor_parallel_size {size} must divide the {world} ranks")
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group, control = dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine = TensorParallel(group=group, control=control, timeout_s=timeout_s, broadcast_weights=False)
+    return mine
+
+
 @dataclass(frozen=True, slots=True)
 class Shard:
     """This rank's share of one model: `rank` of `size`. Example: Shard(1, 2).span(12) -> (6, 6)."""
@@ -147,3 +166,30 @@ class Shard:
         """(start, length) of this rank's part of `total` split evenly (total % size == 0)."""
         length = total // self.size
         return self.rank * length, length
+
+
+def to_wire(event: tuple[str, Any]) -> tuple[str, Any]:
+    """An engine inbox event as the leader sends it: what a follower needs to replay it (no callbacks).
+    Example: ("abort", <Sequence 7>) -> ("abort", 7)."""
+    kind, payload = event
+    if kind == "abort":
+        return kind, payload.seq_id
+    return kind, [(s.seq_id, s.token_ids, s.params, s.seed, s.stop_ids) for s in payload]
+
+
+def from_wire(event: tuple[str, Any], following: dict[int, Sequence]) -> tuple[str, Any]:
+    """A follower's copy of the leader's event: its own Sequences, kept in `following` by the leader's
+    seq_id until they finish (an abort of one already finished finds None)."""
+    kind, payload = event
+    if kind == "abort":
+        return kind, following.get(payload)
+    seqs = []
+    for seq_id, token_ids, params, seed, stop_ids in payload:
+        on_finish = functools.partial(_forget, following, seq_id)
+        seqs.append(Sequence(token_ids, params, seed=seed, stop_ids=stop_ids, on_finish=on_finish, seq_id=seq_id))
+        following[seq_id] = seqs[-1]
+    return kind, seqs
+
+
+def _forget(following: dict[int, Sequence], seq_id: int, _: Any) -> None:
+    following.pop(seq_id, None)

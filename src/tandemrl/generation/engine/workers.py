@@ -74,6 +74,7 @@ def launch(
     ]
     for process in processes:
         process.start()
+        log.info("tensor-parallel %s started (pid %d)", process.name, process.pid)
     followers = Followers(processes, on_death)
     tp = connect(store, rank=0, size=size, device=rank_device(config.device, 0), timeout_s=timeout_s)
     tp.store = store

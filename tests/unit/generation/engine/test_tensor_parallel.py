@@ -1,12 +1,11 @@
 """Engine tensor parallelism on CPU (gloo, 2 processes): greedy tokens equal TP = 1 exactly, logprobs
 within float tolerance, for every family (split and replicated KV heads, a vocab that does not divide),
-and after a weight update by Hugging Face name, broadcast by the leader (a server) or handed to every
-rank (colocate). One spawn runs every case; TP = 1 runs here."""
+and after a weight update by Hugging Face name, broadcast by the leader (a server's groups) or handed to
+every rank (colocate: the group split from torchrun's default process group). This process is rank 0 (and runs TP = 1), one spawned process rank 1, for every case."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
-from tandemrl.generation.engine.parallel import connect
+from tandemrl.generation.engine.parallel import connect, split_world
 from tandemrl.types import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -49,55 +48,56 @@ async def _lead(engine: Engine, model_dir: str) -> dict[str, dict]:
     return {"before": before, "after": await _outputs(engine)}
 
 
-def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]], path: str) -> None:
+def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str, dict]:
+    """Rank 0 (this process) leads and returns its outputs; rank 1 (spawned) follows."""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
     results = {}
-    for name, model_dir, broadcast in cases:
-        tp = connect(dist.PrefixStore(name, store), rank=rank, size=2, device=torch.device("cpu"), timeout_s=60)
-        tp.broadcast_weights = broadcast
+    for name, model_dir, colocate in cases:
+        if colocate:  # as under torchrun: the engine's group split from the default process group
+            dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=rank, world_size=2)
+            tp = split_world(2, timeout_s=60)
+        else:  # as tandem rollout: groups of their own, the leader broadcasts updates
+            tp = connect(dist.PrefixStore(name, store), rank=rank, size=2, device=torch.device("cpu"), timeout_s=60)
         engine = Engine(_config(model_dir, 2), tp=tp)
         if rank == 0:
             results[name] = asyncio.run(_lead(engine, model_dir))
             asyncio.run(engine.close())
-            continue
-        if not broadcast:  # colocate: this rank's own trainer hands the same tensors over
-            asyncio.run(engine.update_weights(_updated(model_dir), version=1))
-        assert engine.follow()
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(results, f)
+        else:
+            if colocate:  # this rank's own trainer hands the same tensors over
+                asyncio.run(engine.update_weights(_updated(model_dir), version=1))
+            assert engine.follow()
+        if colocate:
+            dist.destroy_process_group()
+    return results
 
 
-def _tp2(cases: list[tuple[str, str, bool]], path: str) -> None:
+def _tp2(cases: list[tuple[str, str, bool]]) -> dict[str, dict]:
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_rank, args=(rank, store.port, cases, path)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(120)
-    assert [p.exitcode for p in processes] == [0, 0]
+    follower = multiprocessing.get_context("spawn").Process(target=_rank, args=(1, store.port, cases))
+    follower.start()
+    try:
+        results = _rank(0, store.port, cases)
+    finally:
+        follower.join(60)
+    assert follower.exitcode == 0
+    return results
 
 
 @pytest.fixture(scope="module")
 def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
     from tandemrl.tasks.tiny import save_tiny
 
-    # one KV head for two ranks (replicated), and a vocab of 321 rows: the last rank's rows padded
-    odd = save_tiny(str(tmp_path_factory.mktemp("kv1")), seed=2, num_key_value_heads=1, vocab_size=321)
-    return {**family_dirs, "kv1-odd-vocab": odd}
+    # an untied llama with one KV head for two ranks (replicated) and 321 vocab rows (the last rank's padded)
+    odd = save_tiny(str(tmp_path_factory.mktemp("kv1")), model_type="llama", seed=2, num_key_value_heads=1, vocab_size=321, tie_word_embeddings=False)
+    return {"qwen2": family_dirs["qwen2"], "qwen3": family_dirs["qwen3"], "llama-kv1-odd-vocab": odd}
 
 
 @pytest.fixture(scope="module")
-def tp2_results(model_dirs, tmp_path_factory) -> dict[str, dict]:
-    cases = [(name, path, name != "qwen3") for name, path in model_dirs.items()]  # qwen3: colocate-style update
-    path = str(tmp_path_factory.mktemp("tp") / "results.json")
-    _tp2(cases, path)
-    with open(path) as f:
-        return json.load(f)
+def tp2_results(model_dirs) -> dict[str, dict]:
+    return _tp2([(name, path, name == "qwen3") for name, path in model_dirs.items()])  # qwen3: colocated
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3-untied", "qwen3", "kv1-odd-vocab"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab"])
 def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_dirs, tp2_results):
     engine = Engine(_config(model_dirs[name], 1))
     try:

@@ -59,6 +59,15 @@ class DataConfig:
     """Groups (distinct prompts) per optimizer step."""
     num_generations: int = 8
     """Rollouts per prompt: the group size G."""
+    steps_per_generation: int | None = None
+    """TRL's name: optimizer steps one generation round feeds. A round's prompts (this x
+    --num_prompts_per_step) are sampled by one policy version and scored together (advantages of
+    --scale_rewards batch over the round), then trained --num_prompts_per_step a step, so the round's last
+    step trains on rollouts this - 1 versions old. TRL counts micro-batches here; one optimizer step is one
+    here (TRL with gradient_accumulation_steps 1). None = 1, or from --generation_batch_size."""
+    generation_batch_size: int | None = None
+    """TRL's name: completions per generation round, a multiple of --num_prompts_per_step x --num_generations
+    (--steps_per_generation = this / that); set one of the two. None = one step's completions."""
     eval_dataset: str = ""
     """Evaluation prompts, as --dataset (with --task: that task's data format); empty = no evaluation."""
     eval_dataset_split: str = "test"
@@ -80,6 +89,27 @@ class DataConfig:
             raise ValueError(f"--num_prompts_per_step must be >= 1, got {self.num_prompts_per_step}")
         if self.eval_steps < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
             raise ValueError("--eval_steps and --num_generations_eval must be >= 1")
+        self.steps_per_round  # noqa: B018 (validates --steps_per_generation / --generation_batch_size)
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps per generation round, from --steps_per_generation or --generation_batch_size (TRL's rules).
+
+        Example: num_prompts_per_step 4, num_generations 8, generation_batch_size 96 -> 3
+        """
+        per_step = self.num_prompts_per_step * self.num_generations
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ValueError("--steps_per_generation and --generation_batch_size set the same thing: give one of them")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size < 1 or self.generation_batch_size % per_step:
+                raise ValueError(
+                    f"--generation_batch_size must be a multiple of --num_prompts_per_step x --num_generations ({per_step}), "
+                    f"got {self.generation_batch_size}"
+                )
+            return self.generation_batch_size // per_step
+        if self.steps_per_generation is not None and self.steps_per_generation < 1:
+            raise ValueError(f"--steps_per_generation must be >= 1, got {self.steps_per_generation}")
+        return self.steps_per_generation or 1
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "ignore_eos")

@@ -85,7 +85,7 @@ def test_a_trl_users_run_keyword_rewards_yaml_and_evaluation(tmp_path, tiny_mode
         "    return [float(len(c[0]['content']) + trainer_state.global_step) for c in completions]\n"
     )
     (tmp_path / "grpo.yaml").write_text(
-        "loss_type: dapo\nbeta: 0.04\nwarmup_ratio: 0.5\nchat_template_kwargs: {enable_thinking: false}\n"
+        "loss_type: dapo\nbeta: 0.04\nwarmup_ratio: 0.5\nchat_template_kwargs: {enable_thinking: false}\nsteps_per_generation: 2\n"
         f"eval_dataset: {data}\neval_steps: 1\nnum_generations_eval: 2\n"
     )
     result = tandem(
@@ -218,11 +218,23 @@ def trained_prompts(run_dir: Path) -> dict[int, list[str]]:
 def test_async_run_killed_mid_step_then_resumed_trains_every_prompt_exactly_once(tmp_path, tiny_model_dir):
     """--max_staleness 1, SIGKILL while step 4 trains and step 5 generates: the groups in flight are
     regenerated after --resume, and every step trains the prompts of an uninterrupted run."""
+    killed_and_resumed(tmp_path, tiny_model_dir, "--max_staleness", "1")
+
+
+def test_run_of_generation_rounds_killed_mid_round_then_resumed_trains_every_prompt_exactly_once(tmp_path, tiny_model_dir):
+    """--steps_per_generation 3 (rounds of steps 1-3, 4-6, 7-8), checkpoints every 2 steps, so inside a
+    round: the resumed run regenerates the rest of the round, and trains the prompts of an uninterrupted run."""
+    killed_and_resumed(tmp_path, tiny_model_dir, "--steps_per_generation", "3")
+
+
+def killed_and_resumed(tmp_path: Path, tiny_model_dir: str, *flags: str) -> None:
+    """An 8-step run killed (SIGKILL) after its third step and resumed trains every step's prompts as an
+    uninterrupted run does, each prompt once an epoch."""
     num_prompts, p, steps = 8, 2, 8  # p = 2: the completions log shows both groups of every step
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"prompt {i}"} for i in range(num_prompts)])
     slow = reward_file(tmp_path, "import time\ndef reward(prompts, completions, **kw):\n    time.sleep(0.1)\n    return [float(len(c) % 3) for c in completions]\n")
     common = [
-        "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", slow, "--max_staleness", "1", "--max_steps", str(steps),
+        "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", slow, *flags, "--max_steps", str(steps),
         "--save_steps", "2", "--save_total_limit", "0", "--log_completions_steps", "1",
         "--num_prompts_per_step", str(p), "--num_generations", "4", "--max_completion_length", "6",
     ]  # fmt: skip

@@ -304,7 +304,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         generator = build_generator(remote)
         return generator, build_weight_sync(config.distributed_sync, generator)
     device = config.trainer.device
-    if r.generator == "engine":  # sized for this run: one step's sequences, each as long as it may get
+    if r.generator == "engine":  # sized for this run: one generation round's sequences, each as long as it may get
         e = config.engine
         wanted = config.data.max_prompt_length + config.algo.max_completion_length
         if config.tools.enabled:
@@ -312,7 +312,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         sized = dataclasses.replace(
             e,
             max_model_len=e.model_len(max_positions=None, wanted=wanted),
-            max_num_seqs=min(e.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations),
+            max_num_seqs=min(e.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations * config.data.steps_per_round),
             gpu_memory_utilization=e.memory_fraction(colocated=True),
         )
         backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=r.generator_device or device, seed=config.run.seed)
@@ -336,6 +336,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         save_steps=config.checkpoint.save_steps,
         save_total_limit=config.checkpoint.save_total_limit,
         max_staleness=config.generation.max_staleness,
+        steps_per_generation=config.data.steps_per_round,
         logprob_mismatch_warning=config.log.logprob_mismatch_warning,
         reward_nonfinite=config.reward.reward_nonfinite,
         reward_timeout_s=config.reward.reward_timeout_s,

@@ -1,16 +1,17 @@
-"""The rollout buffer: (S + 1) x P admission slots between the producers and the trainer.
+"""The rollout buffer between the producer and the trainer: rounds of groups admitted in order.
 
-Invariant (policy lag <= S): group j (0-based, in admission order) belongs to step j // P. It is admitted
-only once a slot is free, and a slot is freed only after the weights trained on its group are live on the
-generators. With (S + 1) x P slots, group j therefore waits for group j - (S + 1) P (step k - S - 1) to be
-released, i.e. for version k - S to be live: every token of a group trained at step k was sampled by a
-version >= k - S. S = 0 is the synchronous loop: a step's P groups are admitted only after the previous
-step's weights are live.
+Invariant (policy lag <= S + K - 1): group j (0-based, in admission order) belongs to step j // P. Groups
+are admitted a generation round at a time (K = --steps_per_generation steps; K = 1: one step), and a
+round whose first step is a is admitted only once every group before group (a - S) P is released, i.e.
+once the weights trained on step a - S - 1 (version a - S) are live on the generators. Its last step
+is at most a + K - 1, so every token of a group trained at step k was sampled by a version
+>= k - S - (K - 1). S = 0, K = 1 is the synchronous loop: a step's P groups are admitted only after the
+previous step's weights are live.
 
 The trainer takes groups in admission order, whatever order they complete in, so a run is a function of
 its seed, not of timing.
 
-Legend: P groups per step, S max staleness.
+Legend: P groups per step, S max staleness, K steps per generation round.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from tandemrl.types import Group
 
 
 class RolloutBuffer:
-    """Admission slots and the finished groups waiting to be trained. Used from one event loop.
+    """Admission of rounds and the finished groups waiting to be trained. Used from one event loop.
 
-    Example (P = 2, S = 0): admit() -> 0, admit() -> 1, a third admit() waits; put(1, g1), put(0, g0);
-    take(2) -> [g0, g1]; release(2) lets admissions 2 and 3 in.
+    `lead` is S x P: how many groups past the released ones a round may start.
+    Example (P = 2, S = 0, so lead 0): admit(2) -> range(0, 2); a second admit(2) waits; put(1, g1),
+    put(0, g0); take(2) -> [g0, g1]; release(2) lets range(2, 4) in.
     """
 
-    def __init__(self, *, num_slots: int, first_index: int = 0) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a rollout buffer needs at least one slot, got {num_slots}")
-        self.num_slots = num_slots
-        self._free = num_slots
+    def __init__(self, *, lead: int, first_index: int = 0) -> None:
+        if lead < 0:
+            raise ValueError(f"a rollout buffer's lead is >= 0 groups, got {lead}")
+        self.lead = lead
+        self._released = first_index  # groups before this index are trained and their weights live
         self._next_admit = first_index
         self._next_take = first_index
         self._done: dict[int, Group] = {}
@@ -39,15 +41,14 @@ class RolloutBuffer:
         self.waiting_for: range | None = None  # the admissions take() waits for, while it waits
         self._changed = asyncio.Event()
 
-    async def admit(self) -> int:
-        """Waits for a free slot and returns the admitted group's index; never yields when one is free
-        (so a step's groups are admitted, and reach the generator, in one event-loop tick)."""
-        while self._free == 0:
+    async def admit(self, num_groups: int) -> range:
+        """Waits until the next round may start, then admits its `num_groups` groups and returns their
+        indices; never yields when it may start (so a round's groups reach the generator in one tick)."""
+        while self._next_admit - self._released > self.lead:
             self._changed.clear()
             await self._changed.wait()
-        self._free -= 1
-        self._next_admit += 1
-        return self._next_admit - 1
+        self._next_admit += num_groups
+        return range(self._next_admit - num_groups, self._next_admit)
 
     def put(self, index: int, group: Group) -> None:
         """Hands in the finished (generated and scored) group of admission `index`."""
@@ -76,9 +77,9 @@ class RolloutBuffer:
         return [self._done.pop(i) for i in wanted]
 
     def release(self, num_groups: int) -> None:
-        """Frees the slots of `num_groups` trained groups; call once their trained weights are live."""
-        assert self._free + num_groups <= self.num_slots, "released more slots than were taken"
-        self._free += num_groups
+        """Marks the next `num_groups` taken groups trained; call once their trained weights are live."""
+        assert self._released + num_groups <= self._next_take, "released more groups than were taken"
+        self._released += num_groups
         self._changed.set()
 
     def has(self, index: int) -> bool:

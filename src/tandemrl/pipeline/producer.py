@@ -1,5 +1,6 @@
-"""The producer: admits groups into the rollout buffer in order, then generates and scores each group as
-its own task, so a group is scored as soon as it completes and a slow reward never stalls sampling.
+"""The producer: admits groups into the rollout buffer in order, a generation round at a time (the groups
+of --steps_per_generation steps, TRL's generation batch), then generates and scores each group as its
+own task, so a group is scored as soon as it completes and a slow reward never stalls sampling.
 
 Invariant: group j samples with seeds derived from (seed, step j // P, slot j % P) alone and takes the
 j-th prompt of the cursor's order, so the data of a run does not depend on timing, and a group
@@ -39,14 +40,13 @@ class GroupTiming:
 
 
 class Producer:
-    """Fills `buffer` with `num_groups` groups, starting at admission index `first_index`."""
+    """Fills `buffer` with the groups of `rounds` (steps per round, see generation_rounds), P a step."""
 
-    def __init__(self, parts: LoopParts, settings: LoopSettings, buffer: RolloutBuffer, *, first_index: int, num_groups: int) -> None:
+    def __init__(self, parts: LoopParts, settings: LoopSettings, buffer: RolloutBuffer, *, rounds: list[int]) -> None:
         self.parts = parts
         self.settings = settings
         self.buffer = buffer
-        self.first_index = first_index
-        self.num_groups = num_groups
+        self.rounds = rounds
         self.timings: dict[int, GroupTiming] = {}
         self._scoring: set[int] = set()  # admissions generated and being scored
         self._tasks: set[asyncio.Task] = set()
@@ -61,11 +61,11 @@ class Producer:
         task.add_done_callback(self._done)
 
     async def _admit_all(self) -> None:
-        for _ in range(self.num_groups):
-            index = await self.buffer.admit()
-            example_index = self.parts.cursor.take(1)[0]
-            epoch = self.parts.cursor.num_taken / self.parts.cursor.num_examples  # passes over the data, this prompt included
-            self._spawn(self._produce(index, example_index, epoch))
+        for num_steps in self.rounds:
+            for index in await self.buffer.admit(num_steps * self.settings.num_prompts_per_step):
+                example_index = self.parts.cursor.take(1)[0]
+                epoch = self.parts.cursor.num_taken / self.parts.cursor.num_examples  # passes over the data, this prompt included
+                self._spawn(self._produce(index, example_index, epoch))
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -123,6 +123,20 @@ class Producer:
         self._scoring.discard(index)
         self.timings[index] = GroupTiming(admitted=admitted, generated=generated, reward_s=reward_s, nonfinite=nonfinite, timed_out=timed_out)
         self.buffer.put(index, group)
+
+
+def generation_rounds(first_step: int, max_steps: int, steps_per_generation: int) -> list[int]:
+    """Steps per generation round from `first_step` to `max_steps`; rounds start at multiples of
+    steps_per_generation (so a run resumed mid-round finishes that round first).
+
+    Example: generation_rounds(3, 10, 4) -> [1, 4, 2] (steps 3 | 4-7 | 8-9)
+    """
+    rounds, step = [], first_step
+    while step < max_steps:
+        end = min(max_steps, (step // steps_per_generation + 1) * steps_per_generation)
+        rounds.append(end - step)
+        step = end
+    return rounds
 
 
 def group_seed(seed: int, step: int) -> int:

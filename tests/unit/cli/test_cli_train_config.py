@@ -95,6 +95,7 @@ importance_sampling_level: sequence
 use_bias_correction_kl: false
 top_entropy_quantile: 0.2
 num_generations: 4
+generation_batch_size: 192
 max_completion_length: 64
 learning_rate: 1.0e-6
 warmup_ratio: 0.1
@@ -117,6 +118,27 @@ def test_a_yaml_written_for_trl_grpo_config_runs_unchanged(tmp_path):
     assert config.data.chat_template_kwargs == {"enable_thinking": False}
     assert config.run.model_init_kwargs == {"revision": "main"} and config.run.num_train_epochs == 2
     assert (config.trainer.warmup_ratio, config.algo.ref_model_sync_steps) == (0.1, 64)
+    assert config.data.steps_per_round == 192 // (config.data.num_prompts_per_step * 4)
+
+
+@pytest.mark.parametrize(
+    "flags, steps, error",
+    [
+        ([], 1, None),
+        (["--steps_per_generation", "4"], 4, None),
+        (["--generation_batch_size", "96"], 3, None),  # 96 completions = 3 steps of 4 prompts x 8
+        (["--generation_batch_size", "40"], None, "multiple of --num_prompts_per_step x --num_generations \\(32\\)"),
+        (["--steps_per_generation", "2", "--generation_batch_size", "64"], None, "give one of them"),
+        (["--steps_per_generation", "0"], None, "must be >= 1"),
+    ],
+)
+def test_steps_per_generation_and_generation_batch_size_follow_trls_rules(flags, steps, error):
+    args = ["--num_prompts_per_step", "4", "--num_generations", "8", *flags]
+    if error:
+        with pytest.raises(ValueError, match=error):
+            parse(args)
+    else:
+        assert parse(args)[0].data.steps_per_round == steps
 
 
 def test_unknown_trl_keys_are_one_error_naming_each(tmp_path):

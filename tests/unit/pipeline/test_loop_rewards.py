@@ -87,3 +87,13 @@ def test_dynamic_sampling_stops_after_its_rounds(monkeypatch) -> None:
     groups, times = asyncio.run(loop._refill(None, s, 0, [group(1.0, 1.0)], {"time/generate": 0.0, "time/reward": 0.0}))
     assert times["dynamic_sampling/rounds"] == 2.0 and len(groups) == 3
     assert _batch(groups, s, version=0)[0].groups == []
+
+
+def test_batch_scaled_advantages_take_the_std_of_the_whole_generation_round() -> None:
+    """--steps_per_generation: a step trains P of the round's groups, scaled as TRL's generation batch."""
+    import statistics
+
+    first, second = group(1.0, 0.0), group(3.0, 0.0)
+    batch, _ = _batch([first], settings(scale_rewards="batch"), version=0, round_groups=[first, second])
+    std = statistics.stdev([1.0, 0.0, 3.0, 0.0]) + 1e-4
+    assert batch.groups[0].advantages == pytest.approx([0.5 / std, -0.5 / std])

@@ -171,12 +171,48 @@ def test_a_group_is_admitted_only_after_version_k_minus_s_is_live(tmp_path, save
 
 def test_too_many_slots_breaks_the_bound_and_the_assert_catches_it(tmp_path, saved, monkeypatch):
     class Oversized(RolloutBuffer):
-        def __init__(self, *, num_slots: int, first_index: int = 0) -> None:
-            super().__init__(num_slots=num_slots + 2 * P, first_index=first_index)
+        def __init__(self, *, lead: int, first_index: int = 0) -> None:
+            super().__init__(lead=lead + 2 * P, first_index=first_index)
 
     monkeypatch.setattr(loop_module, "RolloutBuffer", Oversized)
     with pytest.raises(AssertionError, match="policy lag"):
         run(0, steps=50, seed=3, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("max_staleness, steps_per_generation", [(0, 2), (0, 3), (1, 3)])
+def test_a_round_of_k_steps_is_sampled_by_one_version_and_lags_at_most_s_plus_k_minus_1(tmp_path, saved, max_staleness, steps_per_generation):
+    """--steps_per_generation K: the K x P groups of a round are admitted together, once version a - S of
+    its first step a is live (exactly a at S = 0: nothing is generated while a step trains)."""
+    k = steps_per_generation
+    events, metrics, _ = run(max_staleness, steps=20, seed=20 + k, tmp_path=tmp_path, steps_per_generation=k)
+    admissions = [version for kind, _, version in events if kind == "admit"]
+    assert len([e for e in events if e[0] == "train"]) == 20 * P
+    for first in range(0, 20, k):  # each round: one admission version, the bound of its first step
+        versions = set(admissions[first * P : min(first + k, 20) * P])
+        assert len(versions) == 1 and versions.pop() >= first - max_staleness
+        if max_staleness == 0:
+            assert admissions[first * P] == first
+    lags = [m["rollout/policy_lag_max"] for m in metrics]
+    assert max(lags) == max_staleness + k - 1  # reached: the round's last step trains on its oldest groups
+
+
+def test_resume_in_the_middle_of_a_round_trains_every_prompt_exactly_once(tmp_path, saved):
+    """K = 3, checkpoint at step 4 (inside the round of steps 3-5): the resumed run regenerates the rest
+    of that round from the saved cursor, and trains the prompts of an uninterrupted run, in order."""
+    _, _, whole = run(0, steps=9, seed=8, tmp_path=tmp_path, steps_per_generation=3)
+    run(0, steps=4, seed=8, tmp_path=tmp_path, steps_per_generation=3)
+    cursor = PromptCursor(40, seed=8)
+    cursor.load_state_dict(saved[-1][1]["cursor"])
+    events, _, _ = run(0, steps=9, seed=8, tmp_path=tmp_path, start_step=4, cursor=cursor, steps_per_generation=3)
+    assert [e[1] for e in events if e[0] == "train"] == [i for i, _ in whole][4 * P :]
+    resumed = [version for kind, _, version in events if kind == "admit"]
+    assert resumed[: 2 * P] == [4] * (2 * P) and resumed[2 * P :] == [6] * (3 * P)  # rounds: steps 4-5, then 6-8
+
+
+def test_generation_rounds_start_at_multiples_of_k():
+    assert loop_module.generation_rounds(0, 7, 3) == [3, 3, 1]
+    assert loop_module.generation_rounds(3, 10, 4) == [1, 4, 2]
+    assert loop_module.generation_rounds(0, 5, 1) == [1] * 5
 
 
 def test_groups_are_trained_in_admission_order_whatever_order_they_finish(tmp_path, saved):
@@ -223,27 +259,27 @@ def test_dynamic_sampling_at_s0_refills_and_resumes_exactly_once(tmp_path, saved
     events, _, _ = run(0, steps=6, seed=4, tmp_path=tmp_path, start_step=3, cursor=cursor, reward=flat_for_even_prompts(), **dynamic)
     assert [e[1] for e in events if e[0] == "train"] == whole[3 * P :]
 
-def test_buffer_takes_in_admission_order_and_waits_for_a_free_slot():
+def test_buffer_takes_in_admission_order_and_admits_a_round_once_its_lead_is_released():
     async def scenario():
-        buffer = RolloutBuffer(num_slots=2)
-        assert [await buffer.admit(), await buffer.admit()] == [0, 1]
-        third = asyncio.ensure_future(buffer.admit())
+        buffer = RolloutBuffer(lead=0)
+        assert await buffer.admit(2) == range(0, 2)
+        second = asyncio.ensure_future(buffer.admit(4))  # a round of two steps
         await asyncio.sleep(0)
-        assert not third.done()
+        assert not second.done()
         buffer.put(1, "g1")
         buffer.put(0, "g0")
         assert await buffer.take(2) == ["g0", "g1"]
-        assert not third.done()  # taken is not released: the weights are not live yet
+        assert not second.done()  # taken is not released: the weights are not live yet
         buffer.release(2)
-        assert await third == 2
+        assert await second == range(2, 6)
 
     asyncio.run(scenario())
 
 
 def test_an_error_of_a_producer_surfaces_at_take():
     async def scenario():
-        buffer = RolloutBuffer(num_slots=1)
-        await buffer.admit()
+        buffer = RolloutBuffer(lead=0)
+        await buffer.admit(1)
         buffer.fail(ValueError("reward 'r' returned 3 values for 4 completions"))
         with pytest.raises(ValueError, match="reward 'r'"):
             await buffer.take(1)

@@ -112,7 +112,7 @@ class DataConfig:
         return self.steps_per_generation or 1
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
 """--generation_kwargs keys every generator applies (they override the sampling flags, as in TRL)."""
 
 
@@ -138,13 +138,15 @@ class GenerationConfig:
     """Top-k sampling (-1 = off)."""
     min_p: float = _SAMPLING.min_p
     """Min-p sampling (0 = off)."""
-    repetition_penalty: float = 1.0
-    """TRL's name: > 1 penalises tokens already in the prompt or completion (transformers' meaning). Needs
-    --generator hf: the engine and rollout servers do not apply it yet (1.0 = off, runs everywhere)."""
+    repetition_penalty: float = _SAMPLING.repetition_penalty
+    """TRL's name: > 1 penalises tokens already in the prompt or completion (transformers' and vLLM's
+    meaning: such a logit is divided by it where positive, multiplied where negative); 1.0 = off. The
+    sampler's logprobs are of the penalised distribution, the trainer's are not: truncated IS weighs the
+    difference, as for top-p/top-k."""
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
     """TRL's name: sampling settings that override the flags above, as JSON on the command line
-    (temperature, top_p, top_k, min_p, max_tokens, stop, stop_token_ids, ignore_eos: every generator);
-    any other key goes to transformers' generate() and needs --generator hf."""
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, stop, stop_token_ids, ignore_eos:
+    every generator); any other key goes to transformers' generate() and needs --generator hf."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocate: during training the engine frees its KV cache (1) and also its weights (2)."""
     max_staleness: int = 0
@@ -170,19 +172,16 @@ class GenerationConfig:
             raise ValueError("--rollout_mode server needs --rollout_server_urls http://HOST:PORT [...]")
 
     def hf_generation_kwargs(self) -> dict[str, Any]:
-        """What only transformers' generate applies: --repetition_penalty, other --generation_kwargs keys.
+        """What only transformers' generate applies: the --generation_kwargs keys beyond SAMPLING_KEYS.
 
         Raises ValueError naming them unless --generator hf in colocate mode.
-        Example: repetition_penalty 1.1, generation_kwargs {"top_p": 0.9, "no_repeat_ngram_size": 3}
-          -> {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}
+        Example: generation_kwargs {"top_p": 0.9, "no_repeat_ngram_size": 3} -> {"no_repeat_ngram_size": 3}
         """
         extra = {k: v for k, v in self.generation_kwargs.items() if k not in SAMPLING_KEYS}
-        if self.repetition_penalty != 1.0:
-            extra["repetition_penalty"] = self.repetition_penalty
         if extra and (self.generator != "hf" or self.rollout_mode != "colocate"):
             raise ValueError(
-                f"{', '.join(sorted(extra))} (--repetition_penalty / --generation_kwargs) only apply with --generator hf "
-                f"in colocate mode; our engine applies {', '.join(SAMPLING_KEYS)}: drop the others or pass --generator hf"
+                f"{', '.join(sorted(extra))} (--generation_kwargs) only apply with --generator hf in colocate mode; "
+                f"our engine applies {', '.join(SAMPLING_KEYS)}: drop the others or pass --generator hf"
             )
         return extra
 

@@ -20,6 +20,7 @@ Message = dict[str, Any]
 # once did, and failed every request in flight with it); NaN fails every comparison, so it is refused.
 MAX_TOKENS = 2**31 - 1
 MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 MAX_TOP_K = 2**31 - 1  # past the vocabulary it filters nothing
 MAX_SEED = 2**63 - 1
 MAX_STOP_CHARS = 1024  # per stop string: the engine detokenizes that many tokens after every step
@@ -30,6 +31,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's g
     "top_p": {"gt": 0, "le": 1},
     "top_k": {"ge": -1, "le": MAX_TOP_K},  # -1 = off; 0 is illegal (see __post_init__)
     "min_p": {"ge": 0, "le": 1},
+    "repetition_penalty": {"gt": 0, "le": MAX_REPETITION_PENALTY},  # 1 = off
     "seed": {"ge": 0, "le": MAX_SEED},
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the OpenAI routes name it `logprobs` (completions) and `top_logprobs` (chat)
@@ -46,6 +48,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 penalises tokens of the prompt and completion (transformers', vLLM's)
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -99,6 +99,14 @@ def test_greedy_tokens_and_logprobs_match_a_transformers_forward(generator, refe
     assert completion.policy_versions == [0] * 8
 
 
+def test_a_repetition_penalty_gives_transformers_greedy_tokens(generator, reference):
+    """Every backend (a rollout server's route too) applies --repetition_penalty as transformers does."""
+    prompt = [5, 17, 42, 8, 99]
+    completion = run(generator.generate(prompt, dataclasses.replace(GREEDY, repetition_penalty=1.8)))
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, repetition_penalty=1.8)
+    assert completion.token_ids == expected[0, len(prompt) :].tolist()
+
+
 def test_top_logprobs_are_the_models_most_likely_tokens(generator, reference):
     prompt = [5, 17, 42, 8, 99]
     completion = run(generator.generate(prompt, dataclasses.replace(GREEDY, top_logprobs=3)))

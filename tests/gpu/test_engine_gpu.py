@@ -142,9 +142,13 @@ def test_gpu_engine_matches_cpu_engine(tmp_path, family):
 
     model_dir = save_tiny(str(tmp_path), seed=1, **FAMILIES[family])
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(5)] + [[7, 8, 9]] * 4
-    # top-k rows make the graph's unfiltered samples be redrawn with the filters (runner._decode)
+    # top-k rows and penalised rows make the graph's plain samples be redrawn (runner._decode); a penalised
+    # row's context includes the look-ahead step's input, which the host has not read yet
     params = [
-        SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 1.0, top_k=20 if i % 3 == 1 else -1, seed=i, ignore_eos=True)
+        SamplingParams(
+            max_tokens=24, temperature=0.0 if i % 3 == 0 else 1.0, top_k=20 if i % 3 == 1 else -1, seed=i, ignore_eos=True,
+            repetition_penalty=1.3 if i % 2 else 1.0,
+        )
         for i in range(len(prompts))
     ]
     outputs = {}

@@ -292,7 +292,7 @@ def _sampling(config: TrainConfig) -> SamplingParams:
     overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in r.generation_kwargs.items() if k in SAMPLING_KEYS}
     return SamplingParams(**{
         "max_tokens": config.algo.max_completion_length, "temperature": r.temperature, "top_p": r.top_p,
-        "top_k": r.top_k, "min_p": r.min_p, **overrides,
+        "top_k": r.top_k, "min_p": r.min_p, "repetition_penalty": r.repetition_penalty, **overrides,
     })  # fmt: skip
 
 

@@ -87,6 +87,7 @@ class HFGenerator:
             top_p=params.top_p if sample else None,
             top_k=params.top_k_or(0) if sample else None,
             min_p=(params.min_p or None) if sample else None,
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
             eos_token_id=eos_ids,  # a list, never None: None would bring back the model's own EOS under ignore_eos
             pad_token_id=pad_id,
             stop_strings=list(params.stop) or None,

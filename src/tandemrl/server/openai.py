@@ -41,6 +41,7 @@ class _Common(BaseModel):
     stream: bool = False
     top_k: int = sampling_field("top_k", description="tandem extension: -1 = off.")
     min_p: float = sampling_field("min_p", description="tandem extension.")
+    repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's extension: 1 = off.")
     stop_token_ids: list[int] = sampling_field("stop_token_ids", description="tandem extension.")
     ignore_eos: bool = sampling_field("ignore_eos", description="tandem extension.")
 

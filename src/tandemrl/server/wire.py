@@ -39,6 +39,7 @@ class Sampling(BaseModel):
     top_p: float = sampling_field("top_p")
     top_k: int = sampling_field("top_k", description="-1 = off; 0 is invalid.")
     min_p: float = sampling_field("min_p")
+    repetition_penalty: float = sampling_field("repetition_penalty", description="1 = off; > 1 penalises tokens of the prompt and completion.")
     stop_token_ids: list[int] = sampling_field("stop_token_ids")
     stop: list[str] = sampling_field("stop")
     ignore_eos: bool = sampling_field("ignore_eos")

@@ -169,7 +169,10 @@ def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
     config, _ = parse(["--top_p", "0.5", "--generation_kwargs", '{"top_p": 0.9, "stop": ["\\n"]}'])
     params = _sampling(config)
     assert (params.top_p, params.stop) == (0.9, ("\n",))
-    with pytest.raises(ValueError, match="repetition_penalty .* only apply with --generator hf"):
-        parse(["--repetition_penalty", "1.1"])
-    config, _ = parse(["--repetition_penalty", "1.1", "--generator", "hf", "--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
-    assert config.generation.hf_generation_kwargs() == {"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}
+    with pytest.raises(ValueError, match="no_repeat_ngram_size .* only apply with --generator hf"):
+        parse(["--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
+    config, _ = parse(["--generator", "hf", "--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
+    assert config.generation.hf_generation_kwargs() == {"no_repeat_ngram_size": 3}
+    # a repetition penalty is a sampling setting: every generator applies it, from the flag or the kwargs
+    assert _sampling(parse(["--repetition_penalty", "1.1"])[0]).repetition_penalty == 1.1
+    assert _sampling(parse(["--generation_kwargs", '{"repetition_penalty": 1.3}'])[0]).repetition_penalty == 1.3

@@ -20,7 +20,7 @@ from torch import Tensor
 from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, varlen_options
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
-from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample, sampling_rows
+from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -186,24 +186,29 @@ class ModelRunner:
         batch, state = len(seqs), self.state
         graph_size = next((g for g in self.graph_sizes if g >= batch), None) if self.use_graphs else None
         state.load(seqs, graph_size or batch)
+        # the step's inputs may be tokens the host has not read yet (the look-ahead): seen from the device
+        penalty = repetition_penalty(
+            [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs], self.vocab_size, self.device,
+            last_ids=state.input_ids[:batch], pad=(graph_size or batch) - batch,
+        )  # fmt: skip
         if graph_size is None:
-            token_ids, logprobs, logits, _ = self._decode_step(batch, needs_filter=state.needs_filter)
+            token_ids, logprobs, logits, _ = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
         else:
             graph, (token_ids, logprobs, logits, sampling) = self.graphs[graph_size]
             graph.replay()
-            if state.needs_filter:  # the graph samples unfiltered; resample these rows and fix their next input
-                token_ids, logprobs = sample(logits, replace(sampling, needs_filter=True))
+            if state.needs_filter or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
+                token_ids, logprobs = sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
         return token_ids[:batch], logprobs[:batch], logits[:batch]
 
-    def _decode_step(self, rows: int, *, needs_filter: bool) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
+    def _decode_step(self, rows: int, *, needs_filter: bool, penalty: RepetitionPenalty | None = None) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
         """One decode step of state rows [0, rows), all on the device (this is what a graph captures):
         forward, sample, and advance the state to the next step's inputs."""
         state = self.state
         meta = state.metadata(rows, self.block_size, gather=not self.is_cuda)
         logits = self.model.compute_logits(self.model(state.input_ids[:rows], state.positions[:rows], meta))  # [rows, V]
-        sampling = state.sampling(rows, needs_filter=needs_filter)
+        sampling = replace(state.sampling(rows, needs_filter=needs_filter), penalty=penalty)
         token_ids, logprobs = self._sample(logits, sampling)
         state.advance(rows, token_ids)
         return token_ids, logprobs, logits, sampling
@@ -229,12 +234,14 @@ class ModelRunner:
         keys = row_keys(torch.tensor([s.seed for s in seqs]), torch.tensor([s.num_tokens for s in seqs]))
         to = dict(device=self.device, non_blocking=True)
         temperatures, top_p, min_p = torch.tensor(floats, dtype=torch.float32).to(**to)
+        penalty = repetition_penalty([s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs], self.vocab_size, self.device)
         return SamplingTensors(
-            temperatures=temperatures, top_k=torch.tensor(top_k).to(**to), top_p=top_p, min_p=min_p, keys=keys.to(**to), needs_filter=needs_filter
-        )
+            temperatures=temperatures, top_k=torch.tensor(top_k).to(**to), top_p=top_p, min_p=min_p, keys=keys.to(**to),
+            needs_filter=needs_filter, penalty=penalty,
+        )  # fmt: skip
 
     def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor]:
-        if self.is_cuda and not sampling.needs_filter:
+        if self.is_cuda and not sampling.needs_filter and sampling.penalty is None:
             from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 
             return sample_unfiltered(logits, sampling.temperatures, sampling.keys)

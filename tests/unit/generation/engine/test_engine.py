@@ -52,6 +52,30 @@ def test_greedy_equals_transformers_generate_token_for_token(family):
         assert completion.finish_reason == "length"
 
 
+def test_greedy_under_a_repetition_penalty_equals_transformers_generate(family):
+    """The penalty covers prompt and completion tokens (transformers' and vLLM's); the logprobs are of the
+    penalised distribution, as transformers' scores; the hf generator gives the same tokens."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    engine, reference = family
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    completions = run(gather(engine, prompts, params))
+    plain = run(gather(engine, prompts, GREEDY))
+    assert any(c.token_ids != p.token_ids for c, p in zip(completions, plain))  # the penalty changed something
+    hf = HFGenerator(HFConfig(device="cpu"), model=reference, tokenizer=engine.tokenizer)
+    for prompt, completion in zip(prompts, completions):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, repetition_penalty=1.5)
+        assert completion.token_ids == expected[0, len(prompt) :].tolist()
+        assert run(hf.generate(prompt, params)).token_ids == completion.token_ids
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt) - 1 : -1]
+        penalised = torch.stack([RepetitionPenaltyLogitsProcessor(1.5)(ids[:, : len(prompt) + i], logits[i : i + 1])[0] for i in range(len(logits))])
+        expected_logprobs = penalised.log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(completion.logprobs), expected_logprobs, atol=1e-4)
+
+
 def test_logprobs_equal_a_transformers_forward(family):
     engine, reference = family
     prompt = engine.tokenizer.encode("the answer is")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tandemrl.generation.engine.layers.sampler import SamplingTensors, filter_logits, gumbel_noise, row_keys, sample
+from tandemrl.generation.engine.layers.sampler import (
+    SamplingTensors, filter_logits, gumbel_noise, penalise, repetition_penalty, row_keys, sample,
+)  # fmt: skip
 
 
 def tensors(batch: int, *, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, vocab=16, seeds=None) -> SamplingTensors:
@@ -80,3 +82,24 @@ def test_noise_is_a_function_of_seed_and_position_only():
     assert torch.equal(alone[0], noise[0])
     other_position = gumbel_noise(row_keys(torch.tensor([11]), torch.tensor([5])), 100)
     assert not torch.equal(other_position[0], noise[0])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens_only():
+    penalty = repetition_penalty([[0, 1, 1]], [2.0], 4, torch.device("cpu"))
+    assert penalise(torch.tensor([[2.0, -2.0, 1.0, -1.0]]), penalty).tolist() == [[1.0, -4.0, 1.0, -1.0]]
+    # the step's input token counts though the host has not read it yet; padded rows are never penalised
+    penalty = repetition_penalty([[0], [3]], [2.0, 1.0], 4, torch.device("cpu"), last_ids=torch.tensor([2, 1]), pad=1)
+    assert penalty.seen.tolist() == [[True, False, True, False], [False, True, False, True], [False] * 4]
+    assert penalty.penalties.tolist() == [2.0, 1.0, 1.0]
+    assert repetition_penalty([[0]], [1.0], 4, torch.device("cpu")) is None  # no row penalises: nothing built
+
+
+def test_a_penalised_row_samples_and_reports_the_penalised_distribution():
+    logits = torch.tensor([[3.0, 2.9, -1.0, -1.0]])
+    t = tensors(1, temperature=0.0, vocab=4)
+    assert sample(logits, t)[0].item() == 0
+    t.penalty = repetition_penalty([[0]], [1.5], 4, torch.device("cpu"))
+    token_ids, logprobs = sample(logits, t)
+    assert token_ids.item() == 1  # 3.0 / 1.5 = 2.0 < 2.9
+    expected = torch.tensor([[2.0, 2.9, -1.0, -1.0]]).log_softmax(-1)[0, 1]
+    assert torch.allclose(logprobs, expected[None])

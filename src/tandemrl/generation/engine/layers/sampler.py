@@ -8,9 +8,9 @@ seed alone, never on what else is in the batch, and a preempted request that rec
 draws the same tokens again. The same hash runs in torch (here, any device) and in the Triton
 kernel (sampler_kernel.py), so the CPU and GPU paths draw the same noise.
 
-Order of the filters (as transformers applies them): temperature, top-k, top-p, min-p. The reported
-logprob is log_softmax of the filtered, tempered logits; greedy rows (temperature 0) report
-log_softmax of the raw logits.
+Order (as transformers applies them): repetition penalty, temperature, top-k, top-p, min-p. The
+reported logprob is log_softmax of the penalised, filtered, tempered logits; greedy rows (temperature 0)
+report log_softmax of the (penalised) raw logits.
 """
 
 from __future__ import annotations
@@ -60,6 +60,42 @@ class SamplingTensors:
     min_p: Tensor  # [B] float32
     keys: Tensor  # [B] int64 noise keys
     needs_filter: bool  # any row with top-k, top-p or min-p
+    penalty: RepetitionPenalty | None = None  # None: no row has a repetition penalty
+
+
+@dataclass(slots=True)
+class RepetitionPenalty:
+    """transformers' and vLLM's repetition penalty (Keskar et al. 2019): the logit of every token already
+    in the row's prompt or completion is divided by the penalty where positive, multiplied where negative."""
+
+    seen: Tensor  # [B, V] bool
+    penalties: Tensor  # [B] float32, 1 = none
+
+
+def repetition_penalty(
+    token_ids: list[list[int]], penalties: list[float], vocab_size: int, device: torch.device, *, last_ids: Tensor | None = None, pad: int = 0
+) -> RepetitionPenalty | None:
+    """The penalty of rows whose context is `token_ids` (+ `last_ids` [B], tokens the host may not hold
+    yet); None when no row penalises. Padded rows are not penalised. Only indices cross to the device.
+
+    Example: repetition_penalty([[2, 0]], [2.0], 3, cpu).seen -> [[True, False, True]]
+    """
+    if all(p == 1.0 for p in penalties):
+        return None
+    rows = torch.tensor([i for i, ids in enumerate(token_ids) for _ in ids], dtype=torch.int64)
+    cols = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+    seen = torch.zeros(len(token_ids) + pad, vocab_size, dtype=torch.bool, device=device)
+    seen[rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)] = True
+    if last_ids is not None:
+        seen[torch.arange(len(last_ids), device=device), last_ids] = True
+    values = torch.tensor(penalties + [1.0] * pad, dtype=torch.float32).to(device, non_blocking=True)
+    return RepetitionPenalty(seen=seen, penalties=values)
+
+
+def penalise(logits: Tensor, penalty: RepetitionPenalty) -> Tensor:
+    """Example: logits [[2, -2, 1]], seen [[T, T, F]], penalty 2 -> [[1, -4, 1]]"""
+    factor = penalty.penalties[:, None]
+    return torch.where(penalty.seen, torch.where(logits > 0, logits / factor, logits * factor), logits)
 
 
 def sampling_rows(params: list[SamplingParams], vocab_size: int, *, pad: int = 0) -> tuple[list[int], list[list[float]], bool]:
@@ -94,6 +130,8 @@ def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
 def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor]:
     """Returns (token_ids [B] int64, logprobs [B] float32). The reference path, any device."""
     logits = logits.float()  # [B, V]
+    if t.penalty is not None:
+        logits = penalise(logits, t.penalty)
     greedy = t.temperatures == 0
     scaled = logits / torch.where(greedy, 1.0, t.temperatures)[:, None]
     if t.needs_filter:

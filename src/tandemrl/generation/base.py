@@ -58,7 +58,7 @@ class HFConfig:
     max_batch_size: int = 256
     """Most requests batched into one generate call."""
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra GenerationConfig settings (e.g. repetition_penalty), applied to every request."""
+    """Extra GenerationConfig settings (e.g. no_repeat_ngram_size), applied to every request."""
 
 
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -103,7 +103,9 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     metrics: dict[str, float] = {}
     refill = settings.drop_zero_variance_groups and settings.max_staleness == 0 and settings.steps_per_generation == 1
     if settings.drop_zero_variance_groups and not refill:
-        log.warning("zero-variance groups are dropped but the batch is not refilled (dynamic sampling needs --max_staleness 0 and --steps_per_generation 1)")
+        log.warning(
+            "zero-variance groups are dropped but the batch is not refilled (dynamic sampling needs --max_staleness 0 and --steps_per_generation 1)"
+        )
     num_refilled = 0  # prompts taken by dynamic sampling's extra rounds, beyond the producer's P a step
     steps: list[list[Group]] = []  # the groups of the current round's steps not trained yet
     sizes = iter(rounds)

@@ -202,7 +202,9 @@ class ModelRunner:
         state.advanced()
         return token_ids[:batch], logprobs[:batch], logits[:batch]
 
-    def _decode_step(self, rows: int, *, needs_filter: bool, penalty: RepetitionPenalty | None = None) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
+    def _decode_step(
+        self, rows: int, *, needs_filter: bool, penalty: RepetitionPenalty | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
         """One decode step of state rows [0, rows), all on the device (this is what a graph captures):
         forward, sample, and advance the state to the next step's inputs."""
         state = self.state

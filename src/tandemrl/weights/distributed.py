@@ -52,7 +52,7 @@ class DistributedSync:
             await self._push(itertools.chain([first], stream), version)
         except Exception as error:
             self.sender.close_group()
-            raise RuntimeError(f"weight sync of version {version} failed: {error}") from error
+            raise RuntimeError(f"weight sync of version {version} to {', '.join(self.client.urls)} failed: {error}") from error
 
     async def close(self) -> None:
         self.sender.close()

@@ -214,7 +214,7 @@ def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, d
         resume.set()
         pusher.join(deadline_s + 30)
         assert not pusher.is_alive() and time.monotonic() - start < deadline_s
-        assert isinstance(errors[0], RuntimeError) and "weight sync of version 1 failed" in str(errors[0])
+        assert isinstance(errors[0], RuntimeError) and "weight sync of version 1 to " in str(errors[0]) and " failed: " in str(errors[0])
     finally:
         client.close()
 

@@ -12,7 +12,7 @@ from tandemrl.algo.presets import AlgoConfig
 from tandemrl.generation.base import EngineSettings
 from tandemrl.rewards.judge import JudgeConfig
 from tandemrl.rollout.env import ToolsConfig
-from tandemrl.train.config import CheckpointConfig, TrainerConfig
+from tandemrl.train.config import CheckpointConfig, LoraConfig, OffloadConfig, TrainerConfig
 from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
 
@@ -234,7 +234,7 @@ SECRETS = ("api_key",)  # flags never written to the run directory, a metrics si
 
 LEAVES = (
     RunConfig, DataConfig, GenerationConfig, EngineSettings, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
-    LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig,
+    LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig, OffloadConfig, LoraConfig,
 )
 
 
@@ -255,6 +255,19 @@ class TrainConfig:
     distributed_sync: DistributedSyncConfig = field(default_factory=DistributedSyncConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        """Rules across leaves: the memory levers and LoRA against the generator that shares the weights."""
+        g = self.generation
+        shares_weights = g.rollout_mode == "colocate" and g.generator == "hf"  # the hf generator runs the trainer's model
+        if shares_weights and (self.offload.offload_model or self.lora.enabled):
+            raise ValueError("--offload_model and --lora_r need --generator engine (or --rollout_mode server): the hf generator runs the trainer's own model")
+        if self.lora.enabled and self.algo.sync_ref_model:
+            raise ValueError("--sync_ref_model cannot be used with --lora_r: the reference is the base model with the adapters disabled")
+        if self.lora.lora_dropout > 0 and self.trainer.disable_dropout:
+            raise ValueError("--lora_dropout needs --disable_dropout false (which otherwise sets every dropout to 0)")
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config; secrets left out."""

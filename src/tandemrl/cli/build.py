@@ -56,7 +56,9 @@ def run(config: TrainConfig) -> Path:
     config = with_epochs(config, len(examples))
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
-    trainer = Trainer(config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature)
+    trainer = Trainer(
+        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature, offload=config.offload
+    )
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     state = load_state(checkpoint) if checkpoint is not None else None
     if state is not None:

@@ -31,6 +31,8 @@ TITLES = {
     "LogConfig": "Logging",
     "LocalSyncConfig": "Weight sync (colocate)",
     "DistributedSyncConfig": "Weight sync (server mode)",
+    "OffloadConfig": "Memory levers (colocate; with --sleep_level)",
+    "LoraConfig": "LoRA (peft)",
 }
 
 

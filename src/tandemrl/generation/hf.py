@@ -32,6 +32,7 @@ class HFGenerator:
         self.version = 0
         self.device = resolve_device(config.device)
         self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.owns_model = model is None  # colocated, the model is the trainer's: sleep must not move it
         self.model = model or load_model(config.model, dtype=resolve_dtype(config.dtype, self.device), device=self.device)
         self._lock = threading.Lock()
         self._this_tick: TickBatcher[tuple[list[int], SamplingParams, asyncio.Future]] = TickBatcher(self._queue)
@@ -141,11 +142,11 @@ class HFGenerator:
             self.version = version
 
     async def sleep(self, level: int) -> None:
-        if level >= 2 and self.device.type == "cuda":
+        if level >= 2 and self.device.type == "cuda" and self.owns_model:
             await asyncio.to_thread(self.model.to, "cpu")
 
     async def wake(self) -> None:
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.owns_model:
             await asyncio.to_thread(self.model.to, self.device)
 
     async def close(self) -> None:

@@ -99,6 +99,8 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     buffer = RolloutBuffer(lead=settings.max_staleness * p, first_index=start_step * p)
     first_taken = parts.cursor.num_taken  # the cursor of the groups trained so far (the checkpoint's)
     producer = Producer(parts, settings, buffer, rounds=rounds)
+    await asyncio.to_thread(parts.trainer.offload.optimizer_to_cpu)  # the weights were published: generation comes first
+    await asyncio.to_thread(parts.trainer.offload.model_to_cpu)
     producer.start()
     metrics: dict[str, float] = {}
     refill = settings.drop_zero_variance_groups and settings.max_staleness == 0 and settings.steps_per_generation == 1
@@ -290,22 +292,29 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
 
 
 async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Batch) -> dict[str, float]:
+    """The colocate memory plan around a step: the engine sleeps (KV cache, at level 2 its weights too) and
+    the trainer's offloaded state comes back; after training the optimizer state leaves before the engine
+    wakes (its KV cache takes the room), and the weights leave once published (level 2 refills from them)."""
     t0 = time.perf_counter()
     parts.progress.phase("train")
+    offload = parts.trainer.offload
     if settings.sleep_level:
         await parts.generator.sleep(settings.sleep_level)
+    await asyncio.to_thread(offload.to_device)
     version = parts.trainer.policy_version
     train_metrics = await asyncio.to_thread(parts.trainer.train_step, batch) if batch.groups else {}
+    await asyncio.to_thread(offload.optimizer_to_cpu)
     t1 = time.perf_counter()
     if settings.sleep_level:
         await parts.generator.wake()
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
-    if not unchanged:
+    if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
         try:
             await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
         except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
             raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
+    await asyncio.to_thread(offload.model_to_cpu)
     return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
 
 
@@ -346,7 +355,8 @@ def _should_save(settings: LoopSettings, step: int) -> bool:
 
 def _save(parts: LoopParts, settings: LoopSettings, step: int, *, num_taken: int) -> None:
     """The cursor is saved at the groups trained; those admitted beyond are regenerated on resume."""
-    state = {"trainer": parts.trainer.state_dict(), "cursor": parts.cursor.state_dict(num_taken=num_taken)}
-    save_checkpoint(
-        parts.run_dir, step, model=parts.trainer.model, tokenizer=parts.tokenizer, state=state, limit=settings.save_total_limit
-    )
+    with parts.trainer.offload.resident():
+        state = {"trainer": parts.trainer.state_dict(), "cursor": parts.cursor.state_dict(num_taken=num_taken)}
+        save_checkpoint(
+            parts.run_dir, step, model=parts.trainer.model, tokenizer=parts.tokenizer, state=state, limit=settings.save_total_limit
+        )

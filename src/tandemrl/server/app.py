@@ -140,7 +140,7 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
         await service.sleep(body.level)
         return {"asleep": True}
 
-    @app.post("/wake", summary="Reload what sleep freed and admit requests again")
+    @app.post("/wake", summary="Re-allocate what sleep freed and admit requests again (after level 2 the engine waits for a weight update)")
     async def wake() -> dict[str, bool]:
         await service.wake()
         return {"asleep": False}

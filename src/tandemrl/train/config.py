@@ -79,3 +79,47 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_steps < 0 or self.save_total_limit < 0:
             raise ValueError(f"--save_steps and --save_total_limit must be >= 0 (0 = only at the end / keep all), got {self.save_steps}, {self.save_total_limit}")
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """Colocate memory levers of the trainer: what leaves the GPU while the engine generates (train/offload.py)."""
+
+    offload_optimizer: bool = False
+    """During generation, keep the optimizer state (AdamW moments) in pinned CPU memory; it comes back for
+    training on a side stream, overlapped with the forward, and is waited for before the optimizer step."""
+    offload_model: bool = False
+    """During generation, keep the policy's weights (and the reference model's) in pinned CPU memory; the
+    16-bit compute copy and the gradients are dropped, not copied (rebuilt from the weights for training)."""
+    gc_collect_after_offload: bool = False
+    """After each offload, gc.collect() and hand the freed GPU memory back to the driver (empty_cache), so
+    other processes see it too; otherwise it stays in PyTorch's cache for the engine of this process."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.offload_optimizer or self.offload_model
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA through peft: only low-rank adapters train; the engine receives merged weights (train/lora.py)."""
+
+    lora_r: int = 0
+    """LoRA rank; 0 = off (every weight trains)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: adapters are scaled by lora_alpha / lora_r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input; needs --disable_dropout false (which otherwise sets it to 0)."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names that get adapters (e.g. q_proj v_proj), or all-linear (every linear layer but the head)."""
+    lora_save_merged: bool = False
+    """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
+    is, to checkpoint-N/merged."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_r > 0
+
+    def __post_init__(self) -> None:
+        if self.lora_r < 0 or not self.lora_target_modules or not 0 <= self.lora_dropout < 1:
+            raise ValueError("--lora_r must be >= 0, --lora_target_modules non-empty and --lora_dropout in [0, 1)")

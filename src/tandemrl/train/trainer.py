@@ -23,8 +23,9 @@ from tandemrl.algo.logprobs import logprobs_and_entropy
 from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, logprob_mismatch_kl, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
-from tandemrl.train.config import TrainerConfig
+from tandemrl.train.config import OffloadConfig, TrainerConfig
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
+from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,10 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Owns the policy's optimizer state and its policy_version (the count of optimizer steps)."""
 
-    def __init__(self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0) -> None:
+    def __init__(
+        self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0,
+        offload: OffloadConfig | None = None,
+    ) -> None:
         self.config = config
         self.algo = algo
         self.loss = loss_config(algo)
@@ -48,7 +52,7 @@ class Trainer:
         self.plan: ForwardPlan = forward_plan(config, model)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # with LoRA, only the adapters
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
@@ -56,6 +60,7 @@ class Trainer:
         )
         total = max(1, max_steps * algo.num_iterations)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
+        self.offload = TrainerOffload(offload or OffloadConfig(), self)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """num_iterations optimizer steps over one batch; returns the step's metrics."""
@@ -96,6 +101,7 @@ class Trainer:
         if not (math.isfinite(grad_norm) and math.isfinite(values["loss"])):
             return {**self._skip_step(values, grad_norm), "learning_rate": lr}
         self.num_skipped_steps = 0
+        self.offload.optimizer_ready()
         self.optimizer.step()
         self.scheduler.step()
         self.policy_version += 1

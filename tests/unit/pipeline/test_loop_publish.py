@@ -6,6 +6,8 @@ import asyncio
 from types import SimpleNamespace
 
 from tandemrl.pipeline.loop import LoopSettings, _train_and_publish
+from tandemrl.train.config import OffloadConfig
+from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, Example, Group
 
 
@@ -13,6 +15,7 @@ class FakeTrainer:
     def __init__(self, *, steps: bool) -> None:
         self.policy_version, self.steps = 3, steps
         self.model = SimpleNamespace(named_parameters=lambda: iter([]))
+        self.offload = TrainerOffload(OffloadConfig(), self)  # levers off: every call a no-op
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         self.policy_version += self.steps  # a skipped non-finite step leaves the version as it was

@@ -18,6 +18,8 @@ from tandemrl.pipeline import loop as loop_module
 from tandemrl.pipeline.buffer import RolloutBuffer
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
 from tandemrl.rewards.base import RewardFunc
+from tandemrl.train.config import OffloadConfig
+from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Completion, Example, SamplingParams
 
 P, G, NUM_TOKENS = 3, 2, 3
@@ -72,6 +74,7 @@ class FakeTrainer:
         self.model = FakeModel()
         self.events, self.rng = events, rng
         self.delay = rng.uniform(0, 0.006)
+        self.offload = TrainerOffload(OffloadConfig(), self)  # levers off: every call a no-op
 
     def train_step(self, batch) -> dict[str, float]:
         for group in batch.groups:

@@ -42,6 +42,7 @@ from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel, fro
 from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
+from tandemrl.generation.engine.sleep import DroppableWeights
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion, SamplingParams
@@ -86,6 +87,7 @@ class Engine:
         source = model if model is not None else config.model
         self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=self.tp)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
+        self.weights = DroppableWeights(self.model)
 
     def _build_device_plane(self) -> None:
         """The runner (forward, sampling, CUDA graphs) and the KV cache, sized by _num_kv_blocks."""
@@ -187,7 +189,7 @@ class Engine:
             self._load_weights(weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.model.load_weights(weights)
+        self.weights.written(self.model.load_weights(weights))
         self.blocks.reset_prefix_cache()
         self.version = version
 
@@ -214,6 +216,8 @@ class Engine:
             await asyncio.to_thread(self._sleep, level)
 
     def _sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache (and the CUDA graphs that address it); level 2 also the weights,
+        which the next weight updates refill (generation/engine/sleep.py): no copy is kept."""
         with self._between_steps():
             if self.tp is not None:
                 self.tp.send(("sleep", level))
@@ -225,8 +229,9 @@ class Engine:
         self.scheduler.preempt_all()
         self.blocks.reset_prefix_cache()
         self.runner.free_kv_cache()
-        if level >= 2 and self.device.type == "cuda":
-            self.model.to("cpu")
+        if level >= 2:
+            self.weights.drop()
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._sleeping = True
 
@@ -243,7 +248,7 @@ class Engine:
     def _wake_now(self) -> None:
         if not self._sleeping:
             return
-        self.model.to(self.device)
+        self.weights.reallocate()  # before the graphs are captured: they hold the weights' addresses
         self.runner.allocate_kv_cache(len(self.blocks.blocks))
         self._sleeping = False
 
@@ -303,7 +308,8 @@ class Engine:
             with self._step_lock:
                 events, closed = self._take_inbox(), self._closed  # read once: close() may flip it meanwhile
                 self._apply(events)
-                run = not closed and not self._sleeping and self.scheduler.num_unfinished() > 0
+                # after a level-2 sleep nothing runs until every weight is back (never a step on zeros)
+                run = not closed and not self._sleeping and not self.weights.missing and self.scheduler.num_unfinished() > 0
                 if self.tp is not None:
                     self.tp.send(("tick", [to_wire(event) for event in events], run, closed))
                 if closed:

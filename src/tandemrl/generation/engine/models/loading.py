@@ -61,13 +61,14 @@ def build_model(
     model = model.to_empty(device=device).eval()
     model.rope_cos_sin = model.rope_table().to(device)
     written = model.load_weights(weights)
-    missing = _hf_names(model) - written
+    missing = hf_names(model) - written
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
     return model
 
 
-def _hf_names(model: LlamaForCausalLM) -> set[str]:
+def hf_names(model: LlamaForCausalLM) -> set[str]:
+    """The Hugging Face names a full load writes (a fused weight counts as its parts)."""
     names = set()
     for name, _ in model.named_parameters():
         fused = [(part, f) for part, f, _ in _FUSED if f".{f}." in name]

@@ -95,7 +95,7 @@ def run(config: TrainConfig) -> Path:
 
 async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig, judge_generator: Any) -> None:
     # the generator must hold the trainer's current version before the first rollout (resume, servers)
-    await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+    await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
     try:
         async with open_tool_env(config.tools) as env:  # MCP sessions: opened once, closed when the run ends
             tools = env.tools if env is not None else None
@@ -176,17 +176,26 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
 
 
 def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
+    """The tokenizer and the policy; with LoRA the base model wrapped with adapters (a resumed run's from
+    its checkpoint, which holds the adapter only)."""
     device = resolve_device(config.trainer.device)
     dtype = resolve_dtype(config.trainer.dtype, device)
-    source = str(checkpoint) if checkpoint is not None else config.run.model
+    lora = config.lora.enabled
+    source = str(checkpoint) if checkpoint is not None and not lora else config.run.model
     if source == TINY_MODEL:
         from tandemrl.tasks.tiny import build_model, build_tokenizer
 
         tokenizer = build_tokenizer()
-        return tokenizer, build_model(tokenizer, seed=config.run.seed).to(device=device, dtype=dtype)
-    trust = config.run.trust_remote_code
-    model = load_model(source, dtype=dtype, device=device, trust_remote_code=trust, **config.run.model_init_kwargs)
-    return load_tokenizer(source, trust_remote_code=trust), model
+        model = build_model(tokenizer, seed=config.run.seed).to(device=device, dtype=dtype)
+    else:
+        trust = config.run.trust_remote_code
+        model = load_model(source, dtype=dtype, device=device, trust_remote_code=trust, **config.run.model_init_kwargs)
+        tokenizer = load_tokenizer(source, trust_remote_code=trust)
+    if lora:
+        from tandemrl.train.lora import apply_lora
+
+        model = apply_lora(model, config.lora, adapter_dir=str(checkpoint) if checkpoint is not None else None)
+    return tokenizer, model
 
 
 def with_epochs(config: TrainConfig, num_examples: int) -> TrainConfig:
@@ -320,6 +329,10 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any,
         backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=r.generator_device or device, seed=config.run.seed)
     else:
         backend = HFConfig(device=device, generation_kwargs=r.hf_generation_kwargs())
+    if config.lora.enabled:  # the engine reads a plain model: the merged weights under their plain names
+        from tandemrl.train.lora import MergedView
+
+        model = MergedView(model)
     generator = build_generator(backend, model=model, tokenizer=tokenizer)
     return generator, build_weight_sync(config.local_sync, generator)
 
@@ -342,6 +355,7 @@ def _settings(config: TrainConfig) -> LoopSettings:
         logprob_mismatch_warning=config.log.logprob_mismatch_warning,
         reward_nonfinite=config.reward.reward_nonfinite,
         reward_timeout_s=config.reward.reward_timeout_s,
+        save_merged=config.lora.lora_save_merged,
     )
 
 

@@ -64,6 +64,7 @@ class LoopSettings:
     max_staleness: int = 0
     steps_per_generation: int = 1
     logprob_mismatch_warning: float = 0.0
+    save_merged: bool = False  # LoRA: checkpoints hold the merged model too
 
     @property
     def max_policy_lag(self) -> int:
@@ -311,7 +312,7 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
     if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
         try:
-            await parts.sync.publish(parts.trainer.model.named_parameters(), version=parts.trainer.policy_version)
+            await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
         except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
             raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
     await asyncio.to_thread(offload.model_to_cpu)
@@ -358,5 +359,6 @@ def _save(parts: LoopParts, settings: LoopSettings, step: int, *, num_taken: int
     with parts.trainer.offload.resident():
         state = {"trainer": parts.trainer.state_dict(), "cursor": parts.cursor.state_dict(num_taken=num_taken)}
         save_checkpoint(
-            parts.run_dir, step, model=parts.trainer.model, tokenizer=parts.tokenizer, state=state, limit=settings.save_total_limit
+            parts.run_dir, step, model=parts.trainer.model, tokenizer=parts.tokenizer, state=state, limit=settings.save_total_limit,
+            save_merged=settings.save_merged,
         )

@@ -1,5 +1,6 @@
 """Checkpoints: an HF-format model + tokenizer (safetensors, loadable by transformers as is) beside the
-trainer state (optimizer, scheduler, every RNG, data position, policy version).
+trainer state (optimizer, scheduler, every RNG, data position, policy version). With LoRA the model is
+the adapter (peft's format; the base is --model), and on request the merged model in merged/.
 
 Invariant: a directory named checkpoint-<step> is complete and its weights are finite. It is written
 under a temporary name and renamed at the end, so a crash mid-save leaves only a temporary directory
@@ -39,7 +40,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int, save_merged: bool = False
+) -> Path:
     """Writes run_dir/checkpoint-<step> atomically and prunes the oldest beyond `limit` (0 = keep all)."""
     bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad is not None:  # the trainer never applies a non-finite step; this is the last line of defence
@@ -48,8 +51,13 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model: Any, tokenizer: An
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True)  # a peft model writes its adapter
     tokenizer.save_pretrained(tmp)
+    if save_merged:
+        from tandemrl.train.lora import save_merged as write_merged
+
+        write_merged(model, tmp / "merged")
+        tokenizer.save_pretrained(tmp / "merged")
     torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
     if final.exists():
         shutil.rmtree(final)

@@ -112,6 +112,10 @@ class LoraConfig:
     """Dropout on the adapters' input; needs --disable_dropout false (which otherwise sets it to 0)."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """Module names that get adapters (e.g. q_proj v_proj), or all-linear (every linear layer but the head)."""
+    lora_modules_to_save: tuple[str, ...] = ()
+    """Modules trained whole beside the adapters and saved with them (peft's modules_to_save), e.g. norm
+    (every module whose name ends so: the RMSNorms; their weights scale the logits). Not the embeddings
+    or the head: the fused logprob head reads their weights directly."""
     lora_save_merged: bool = False
     """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
     is, to checkpoint-N/merged."""

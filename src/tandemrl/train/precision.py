@@ -26,7 +26,9 @@ class ComputeWeights:
         self._master = list(master.parameters())
         self._compute = list(self.model.parameters())
         assert len(self._master) == len(self._compute), "the twin shares the master's parameter layout"
-        numel = sum(p.numel() for p in self._master)
+        # gradients for the trained parameters only (with LoRA: the adapters, not the frozen base)
+        self._trained = [(m, c) for m, c in zip(self._master, self._compute) if m.requires_grad]
+        numel = sum(m.numel() for m, _ in self._trained)
         device = self._master[0].device
         self._compute_grads = torch.zeros(numel, dtype=dtype, device=device)  # [P]
         self._master_grads = torch.zeros(numel, dtype=self._master[0].dtype, device=device)  # [P]
@@ -49,11 +51,11 @@ class ComputeWeights:
         """Start of an optimizer step: every gradient is a zeroed view of its flat buffer."""
         self._master_grads.zero_()
         self._compute_grads.zero_()
-        for params, flat in ((self._master, self._master_grads), (self._compute, self._compute_grads)):
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+        offset = 0
+        for master, compute in self._trained:
+            master.grad = self._master_grads[offset : offset + master.numel()].view_as(master)
+            compute.grad = self._compute_grads[offset : offset + master.numel()].view_as(compute)
+            offset += master.numel()
 
     @torch.no_grad()
     def accumulate(self) -> None:

@@ -25,6 +25,7 @@ from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import OffloadConfig, TrainerConfig
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
+from tandemrl.train.lora import is_lora, merged_weights, reference_policy, unwrap
 from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
 
@@ -50,7 +51,8 @@ class Trainer:
         if config.disable_dropout:
             disable_dropout(model)
         self.plan: ForwardPlan = forward_plan(config, model)
-        self.reference = self.plan.frozen_copy(model) if algo.beta > 0 else None
+        # with LoRA the reference is the base itself: the adapters disabled (no second copy)
+        self.reference = self.plan.frozen_copy(model) if algo.beta > 0 and not is_lora(model) else None
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # with LoRA, only the adapters
             lr=config.learning_rate,
@@ -75,7 +77,7 @@ class Trainer:
         counts = dict(num_sequences=len(traces), num_tokens=num_tokens)
         # no-grad passes (reference, old policy) only when the loss needs them, in larger micro-batches
         scored = lambda model: self._score(model, traces, plan, budget * self.plan.no_grad_budget_factor)  # noqa: E731
-        ref = scored(self.reference) if self.reference is not None else None
+        ref = self._reference_logprobs(scored)
         if self.algo.num_iterations > 1:  # the ratio's denominator: the policy before this batch's steps
             for m, old in zip(micro, scored(self.plan.forward_model(self.model, self.policy_version))):
                 m.old_logprobs = old
@@ -84,6 +86,19 @@ class Trainer:
             for _ in range(self.algo.num_iterations)
         ]
         return mean_over_iterations(steps)
+
+    def _reference_logprobs(self, scored: Any) -> list[torch.Tensor] | None:
+        if self.algo.beta == 0:
+            return None
+        if self.reference is not None:
+            return scored(self.reference)
+        model = self.plan.forward_model(self.model, self.policy_version)
+        with reference_policy(model):
+            return scored(model)
+
+    def published_weights(self) -> Any:
+        """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged)."""
+        return merged_weights(self.model) if is_lora(self.model) else self.model.named_parameters()
 
     def _optimizer_step(self, micro: list[PackedBatch], ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
         model = self.plan.forward_model(self.model, self.policy_version)
@@ -152,12 +167,13 @@ class Trainer:
 
     def _forward(self, model: Any, m: PackedBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropy [N] of the targets; only trained positions are scored (0 elsewhere)."""
-        hidden = model.base_model(
+        body = unwrap(model)  # a peft model's transformers model
+        hidden = body.base_model(
             input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False, **self.plan.attention_kwargs(m)
         ).last_hidden_state  # [1, N, H]
         trained = m.trained_index  # [T]
         logprobs, entropy = logprobs_and_entropy(
-            hidden[0, trained], model.get_output_embeddings(), m.target_ids[trained],
+            hidden[0, trained], body.get_output_embeddings(), m.target_ids[trained],
             temperature=self.temperature, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy,
         )  # fmt: skip
         zeros = torch.zeros(m.target_ids.shape, dtype=torch.float32, device=m.target_ids.device)  # [N]

@@ -43,3 +43,17 @@ def test_generator_device_places_the_colocated_engine():
 def test_max_staleness_rejects_what_cannot_overlap(flags, message):
     with pytest.raises(ValueError, match=message):
         parse(flags)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--offload_model", "--generator", "hf"], "hf generator runs the trainer's own model"),
+        (["--lora_r", "8", "--generator", "hf"], "hf generator runs the trainer's own model"),
+        (["--lora_r", "8", "--beta", "0.04", "--sync_ref_model"], "adapters disabled"),
+        (["--lora_r", "8", "--lora_dropout", "0.1"], "--disable_dropout false"),
+    ],
+)
+def test_memory_levers_and_lora_reject_what_cannot_work(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(flags)

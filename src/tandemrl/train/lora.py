@@ -1,0 +1,102 @@
+"""LoRA through peft: only the adapters train; everything outside sees one plain model.
+
+The engine receives the merged weights under the Hugging Face names it knows, each adapted weight
+merged on the fly (W + scale x B @ A into a new tensor, one layer at a time), so the trained base is
+never touched. The reference policy (--beta) is the base itself: the policy with its adapters disabled
+(peft's `disable_adapter`), no second copy. Checkpoints hold the adapter in peft's format and, on request,
+the merged model. peft is imported here only (an optional dependency: `pip install tandemrl[lora]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tandemrl.train.config import LoraConfig
+
+
+def apply_lora(model: Any, config: LoraConfig, *, adapter_dir: str | None = None) -> Any:
+    """`model` wrapped in a peft model with fresh adapters, or those saved in `adapter_dir` (resume)."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import PeftModel, get_peft_model
+    except ImportError:
+        raise ValueError("--lora_r needs peft: pip install 'tandemrl[lora]' (or pip install peft)") from None
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    targets = list(config.lora_target_modules)
+    peft_config = PeftLoraConfig(
+        r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, task_type="CAUSAL_LM",
+        target_modules="all-linear" if targets == ["all-linear"] else targets, modules_to_save=list(config.lora_modules_to_save) or None,
+    )  # fmt: skip
+    model = get_peft_model(model, peft_config)
+    inner = model.get_base_model()
+    if any(hasattr(m, "base_layer") or hasattr(m, "original_module") for m in (inner.get_input_embeddings(), inner.get_output_embeddings())):
+        raise ValueError(
+            "--lora_target_modules / --lora_modules_to_save: leave out the embeddings and the head (the fused logprob head "
+            "reads the head's weight directly, and a tied head would differ from its embedding)"
+        )
+    return model
+
+
+def is_lora(model: Any) -> bool:
+    peft = sys.modules.get("peft")  # a model can only be a peft model once peft is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def unwrap(model: Any) -> Any:
+    """The transformers model (with its LoRA layers inside, for a peft model)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def reference_policy(model: Any) -> contextlib.AbstractContextManager:
+    """For the block, `model` computes the base policy: its adapters disabled."""
+    return model.disable_adapter()
+
+
+@torch.no_grad()
+def merged_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, tensor) of the policy as one plain model; the adapters themselves are not sent.
+
+    Example: layers.0.self_attn.q_proj.base_layer.weight W, with adapter delta D
+      -> ("model.layers.0.self_attn.q_proj.weight", W + D); q_proj.base_layer.bias b -> ("...q_proj.bias", b)
+    """
+    inner = unwrap(model)
+    for name, param in inner.named_parameters():
+        if ".lora_" in name or ".original_module." in name:  # a module trained whole sends its trained copy
+            continue
+        name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+        owner, base, leaf = name.rpartition(".base_layer.")
+        if not base:
+            yield name, param.detach()
+            continue
+        layer = inner.get_submodule(owner)
+        if leaf == "weight":
+            deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A]
+            yield f"{owner}.weight", param.detach() + sum(deltas) if deltas else param.detach()
+        else:
+            yield f"{owner}.{leaf}", param.detach()
+
+
+class MergedView:
+    """What the engine reads of a transformers model (`config`, `state_dict()`), for a peft model: the
+    merged weights under plain names."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = unwrap(model).config
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(merged_weights(self.model))
+
+
+def save_merged(model: Any, path: Path) -> None:
+    """The merged policy as a plain Hugging Face model (loadable by transformers as is) in `path`."""
+    unwrap(model).save_pretrained(path, state_dict=dict(merged_weights(model)), safe_serialization=True)

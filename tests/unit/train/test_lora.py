@@ -1,0 +1,61 @@
+"""LoRA through peft: only the adapters train, the base never changes, the generators receive the merged
+policy under plain names, and the reference is the base (adapters disabled), with no copy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tandemrl.algo.presets import AlgoConfig
+from tandemrl.tasks.tiny import build_model, build_tokenizer
+from tandemrl.train.config import LoraConfig, TrainerConfig
+from tandemrl.train.lora import apply_lora, reference_policy
+from tandemrl.train.trainer import Trainer
+from tests.unit.train.test_trainer import make_batch
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    base = build_model(build_tokenizer(), seed=1)
+    plain = copy.deepcopy(base)
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2), AlgoConfig(beta=0.1), apply_lora(base, LoraConfig(lora_r=4)), max_steps=3)
+    metrics = [trainer.train_step(make_batch(seed=step)) for step in range(3)]
+    return plain, trainer, metrics
+
+
+def test_only_the_adapters_train_and_the_base_is_untouched(trained):
+    plain, trainer, _ = trained
+    trained_names = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained_names and all(".lora_" in name for name in trained_names)
+    assert sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]) == sum(
+        p.numel() for p in trainer.model.parameters() if p.requires_grad
+    )
+    with reference_policy(trainer.model):
+        x = torch.tensor([[5, 6, 7, 8]])
+        assert torch.equal(trainer.model(x).logits, plain(x).logits)  # adapters off: the base, bit for bit
+
+
+def test_the_reference_is_the_base_without_a_copy(trained):
+    _, trainer, metrics = trained
+    assert trainer.reference is None
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-7) and metrics[-1]["kl"] > 1e-7
+
+
+def test_published_weights_are_the_merged_policy_under_plain_names(trained):
+    plain, trainer, _ = trained
+    published = dict(trainer.published_weights())
+    assert published.keys() == dict(plain.named_parameters()).keys()
+    merged = copy.deepcopy(plain)
+    merged.load_state_dict(published, strict=False)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.testing.assert_close(merged(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(merged(x).logits, plain(x).logits)
+
+
+def test_adapters_on_the_head_are_refused():
+    with pytest.raises(ValueError, match="leave out the embeddings and the head"):
+        apply_lora(build_model(build_tokenizer(), seed=1), LoraConfig(lora_r=4, lora_target_modules=("q_proj", "lm_head")))

@@ -181,7 +181,7 @@ async def measure(args, name: str) -> dict:
     probe = Probe(torch.device(args.device))
     original = loop._train_and_publish
     try:
-        await parts.sync.publish(parts.trainer.model.named_parameters(), version=0)
+        await parts.sync.publish(parts.trainer.published_weights(), version=0)
         probe.install(parts, loop)
         probe.peak()
         settings = LoopSettings(

@@ -72,3 +72,27 @@ def test_sleep_returns_the_kv_cache_and_level_2_the_weights(tmp_path):
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_lora_on_the_bf16_path_trains_only_adapters_and_publishes_the_merged_policy():
+    import copy
+
+    from tandemrl.train.config import LoraConfig
+    from tandemrl.train.lora import apply_lora
+
+    base = _model()
+    plain = copy.deepcopy(base)
+    config = TrainerConfig(learning_rate=1e-3, torch_compile=False, max_tokens_per_microbatch=4096)
+    trainer = Trainer(config, AlgoConfig(beta=0.04), apply_lora(base, LoraConfig(lora_r=8)), max_steps=2)
+    assert trainer.plan.compute is not None and trainer.reference is None
+    first = trainer.train_step(_batch(seed=0))
+    trainer.train_step(_batch(seed=1))
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    num_adapter = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert trainer.plan.compute._master_grads.numel() == num_adapter  # gradients for the adapters only
+    merged = copy.deepcopy(plain)
+    merged.load_state_dict(dict(trainer.published_weights()), strict=False)
+    x = torch.randint(1000, 100000, (1, 64), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, trainer.model(x).logits, rtol=1e-3, atol=1e-3)
+        assert not torch.equal(merged(x).logits, plain(x).logits)

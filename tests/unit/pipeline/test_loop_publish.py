@@ -17,6 +17,9 @@ class FakeTrainer:
         self.model = SimpleNamespace(named_parameters=lambda: iter([]))
         self.offload = TrainerOffload(OffloadConfig(), self)  # levers off: every call a no-op
 
+    def published_weights(self):
+        return self.model.named_parameters()
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         self.policy_version += self.steps  # a skipped non-finite step leaves the version as it was
         return {}

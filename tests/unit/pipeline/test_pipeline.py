@@ -76,6 +76,9 @@ class FakeTrainer:
         self.delay = rng.uniform(0, 0.006)
         self.offload = TrainerOffload(OffloadConfig(), self)  # levers off: every call a no-op
 
+    def published_weights(self):
+        return self.model.named_parameters()
+
     def train_step(self, batch) -> dict[str, float]:
         for group in batch.groups:
             self.events.append(("train", group.example.index, self.policy_version))

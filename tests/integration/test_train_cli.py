@@ -274,6 +274,7 @@ def test_lora_learns_the_default_task_and_resumes_from_its_adapter(tmp_path):
     make the output peaked (measured: reward flat over 60 steps); here they can."""
     import shutil
 
+    pytest.importorskip("peft")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -63,8 +63,8 @@ class DataConfig:
     """TRL's name: optimizer steps one generation round feeds. A round's prompts (this x
     --num_prompts_per_step) are sampled by one policy version and scored together (advantages of
     --scale_rewards batch over the round), then trained --num_prompts_per_step a step, so the round's last
-    step trains on rollouts this - 1 versions old. TRL counts micro-batches here; one optimizer step is one
-    here (TRL with gradient_accumulation_steps 1). None = 1, or from --generation_batch_size."""
+    step trains on rollouts this - 1 versions old. Counted in optimizer steps (TRL counts micro-batches: the
+    same with gradient_accumulation_steps 1). None = 1, or from --generation_batch_size."""
     generation_batch_size: int | None = None
     """TRL's name: completions per generation round, a multiple of --num_prompts_per_step x --num_generations
     (--steps_per_generation = this / that); set one of the two. None = one step's completions."""

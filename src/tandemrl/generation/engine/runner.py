@@ -11,6 +11,7 @@ the host's only per-step work is the replay and one wait for the sampled ids and
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, replace
 
@@ -70,6 +71,7 @@ class ModelRunner:
         self.kv_cache: Tensor | None = None
         self.times = StepTimes()
         self.state = DecodeState(self.graph_sizes[-1], self.max_blocks_per_seq, self.vocab_size, self.device)
+        self._penalised: tuple[list[Sequence], RepetitionPenalty] | None = None  # the decode batch and its seen tokens
         self._slot = 0  # two steps may be in flight (the engine launches the next before waiting): two slots
         if self.is_cuda:  # sampled ids and logprobs land here, both in one wait
             self._host_ids = torch.empty(2, self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
@@ -89,6 +91,7 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.graphs.clear()
         self.state.reset()
+        self._penalised = None
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -121,6 +124,7 @@ class ModelRunner:
             self._events[slot][0].record()
         if batch.is_prefill:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
+            self._penalised = None
             sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
             logits = self._prefill(batch)
             token_ids, logprobs = self._sample(logits, sampling)
@@ -186,11 +190,7 @@ class ModelRunner:
         batch, state = len(seqs), self.state
         graph_size = next((g for g in self.graph_sizes if g >= batch), None) if self.use_graphs else None
         state.load(seqs, graph_size or batch)
-        # the step's inputs may be tokens the host has not read yet (the look-ahead): seen from the device
-        penalty = repetition_penalty(
-            [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs], self.vocab_size, self.device,
-            last_ids=state.input_ids[:batch], pad=(graph_size or batch) - batch,
-        )  # fmt: skip
+        penalty = self._decode_penalty(seqs, graph_size or batch)
         if graph_size is None:
             token_ids, logprobs, logits, _ = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
         else:
@@ -201,6 +201,24 @@ class ModelRunner:
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
         return token_ids[:batch], logprobs[:batch], logits[:batch]
+
+    def _decode_penalty(self, seqs: list[Sequence], rows: int) -> RepetitionPenalty | None:
+        """The decode batch's repetition penalty (None when no row has one). Built from the host's token
+        lists when the batch changes; while it stays, a step only marks its input tokens (last step's
+        samples, which the host may not have read yet: the look-ahead), so a steady step costs O(B)."""
+        if all(s.params.repetition_penalty == 1.0 for s in seqs):
+            self._penalised = None
+            return None
+        last_ids = self.state.input_ids[: len(seqs)]
+        if self._penalised is not None:
+            held, penalty = self._penalised
+            if len(held) == len(seqs) and penalty.seen.shape[0] == rows and all(map(operator.is_, seqs, held)):
+                penalty.seen[torch.arange(len(seqs), device=self.device), last_ids] = True
+                return penalty
+        penalties = [s.params.repetition_penalty for s in seqs]
+        penalty = repetition_penalty([s.token_ids for s in seqs], penalties, self.vocab_size, self.device, last_ids=last_ids, pad=rows - len(seqs))
+        self._penalised = (list(seqs), penalty)
+        return penalty
 
     def _decode_step(
         self, rows: int, *, needs_filter: bool, penalty: RepetitionPenalty | None = None

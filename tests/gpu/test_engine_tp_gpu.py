@@ -1,11 +1,16 @@
 """Engine tensor parallelism on two GPUs (NCCL, CUDA graphs with the collectives captured): TP = 2 gives
 TP = 1's greedy tokens (float32, so the only difference is the order of the sums) and logprobs, sampled
 tokens with a seed, and the same output after a weight update by Hugging Face name (broadcast over NCCL).
-Rank 0 is this process on cuda:0, rank 1 a spawned process on cuda:1 (workers.launch)."""
+In process: rank 0 is this process on cuda:0, rank 1 a spawned process on cuda:1 (workers.launch). As a
+user runs it: `tandem rollout --tensor_parallel_size 2` against `tandem rollout` on one GPU, before and
+after a weight sync from this process (CUDA IPC into rank 0, then NCCL to rank 1)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -54,7 +59,7 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_after_an_update():
     one = Engine(config, model=model)
     expected = asyncio.run(_run(one, updated))
     asyncio.run(one.close())
-    split = EngineConfig(**{**config.__dict__, "tensor_parallel_size": 2})
+    split = dataclasses.replace(config, tensor_parallel_size=2)
     tp, followers = launch(split, model=model, on_death=_died, timeout_s=120)
     two = Engine(split, model=model, tp=tp)
     got = asyncio.run(_run(two, updated))
@@ -65,3 +70,29 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_after_an_update():
             assert ids == ids_1
             assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_1), atol=1e-3)
     assert got[0] != got[1]
+
+
+def test_tandem_rollout_split_over_two_gpus_answers_as_one_gpu_before_and_after_a_weight_sync():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration", "server"))
+    from rollout_helpers import GREEDY, push, start_server, sync
+
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RolloutClient
+    from tandemrl.tasks.tiny import build_model, build_tokenizer
+
+    common = ("--dtype", "float32", "--gpu_memory_utilization", "0.2")
+    servers = [start_server("tandem:tiny", *common, *extra, backend="engine", device="cuda", timeout_s=240) for extra in ((), ("--tensor_parallel_size", "2"))]
+    clients = [RolloutClient(RemoteConfig(urls=(s.url,), rollout_server_timeout=60, request_timeout_s=60)) for s in servers]
+    try:
+        prompt_ids = build_tokenizer().encode("the answer is")
+        before = [c.generate(prompt_ids, GREEDY).token_ids for c in clients]
+        trained = build_model(build_tokenizer(), seed=5).to("cuda:0")
+        for client in clients:
+            push(client, trained.named_parameters(), version=1, config=sync())
+        after = [c.generate(prompt_ids, GREEDY) for c in clients]
+        assert before[0] == before[1] and after[0].token_ids == after[1].token_ids != before[0]
+        assert after[1].policy_versions == [1] * len(after[1].token_ids)
+    finally:
+        for client, server in zip(clients, servers):
+            client.close()
+            server.stop()

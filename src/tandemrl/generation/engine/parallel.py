@@ -64,10 +64,10 @@ class TensorParallel:
         return x
 
     def all_gather_last(self, x: Tensor) -> Tensor:
-        """[..., C] on each rank -> [..., size * C], rank r's columns at [r * C, (r + 1) * C)."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+        """[B, C] on each rank -> [B, size * C], rank r's columns at [r * C, (r + 1) * C)."""
+        gathered = x.new_empty(self.size * x.shape[0], x.shape[1])  # [size * B, C]: one collective into one tensor
+        self.group._allgather_base(gathered, x.contiguous()).wait()
+        return gathered.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
 
     def min(self, value: int) -> int:
         """The smallest `value` of all ranks (e.g. KV blocks that fit on every GPU)."""

@@ -17,6 +17,8 @@ from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
 from tandemrl.generation.engine.parallel import connect, split_world
 from tandemrl.types import SamplingParams
+from tandemrl.weights.base import LocalSyncConfig
+from tandemrl.weights.local import LocalSync
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
@@ -42,9 +44,18 @@ async def _outputs(engine: Engine) -> dict[str, list]:
     return {"token_ids": [c.token_ids for c in done], "logprobs": [c.logprobs for c in done], "versions": [c.policy_versions[-1] for c in done]}
 
 
-async def _lead(engine: Engine, model_dir: str) -> dict[str, dict]:
+async def _publish(engine: Engine, model_dir: str, colocate: bool) -> None:
+    """The new weights by name: in one call (a server's staging), or as the colocated trainer publishes
+    them (LocalSync, in batches: each rank's batch k meets the leader's batch k)."""
+    if colocate:
+        await LocalSync(LocalSyncConfig(move_model_batches=3), engine).publish(_updated(model_dir), version=1)
+    else:
+        await engine.update_weights(_updated(model_dir), version=1)
+
+
+async def _lead(engine: Engine, model_dir: str, colocate: bool = False) -> dict[str, dict]:
     before = await _outputs(engine)
-    await engine.update_weights(_updated(model_dir), version=1)
+    await _publish(engine, model_dir, colocate)
     return {"before": before, "after": await _outputs(engine)}
 
 
@@ -60,11 +71,11 @@ def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str,
             tp = connect(dist.PrefixStore(name, store), rank=rank, size=2, device=torch.device("cpu"), timeout_s=60)
         engine = Engine(_config(model_dir, 2), tp=tp)
         if rank == 0:
-            results[name] = asyncio.run(_lead(engine, model_dir))
+            results[name] = asyncio.run(_lead(engine, model_dir, colocate))
             asyncio.run(engine.close())
         else:
             if colocate:  # this rank's own trainer hands the same tensors over
-                asyncio.run(engine.update_weights(_updated(model_dir), version=1))
+                asyncio.run(_publish(engine, model_dir, colocate))
             assert engine.follow()
         if colocate:
             dist.destroy_process_group()

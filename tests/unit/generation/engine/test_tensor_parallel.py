@@ -56,7 +56,10 @@ async def _publish(engine: Engine, model_dir: str, colocate: bool) -> None:
 async def _lead(engine: Engine, model_dir: str, colocate: bool = False) -> dict[str, dict]:
     before = await _outputs(engine)
     await _publish(engine, model_dir, colocate)
-    return {"before": before, "after": await _outputs(engine)}
+    after = await _outputs(engine)
+    await engine.sleep(1)  # every rank frees its KV cache and re-creates it
+    await engine.wake()
+    return {"before": before, "after": after, "after_wake": await _outputs(engine)}
 
 
 def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str, dict]:
@@ -116,7 +119,7 @@ def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_
     finally:
         asyncio.run(engine.close())
     got = tp2_results[name]
-    for phase in ("before", "after"):
+    for phase in ("before", "after", "after_wake"):
         assert got[phase]["token_ids"] == expected[phase]["token_ids"], phase
         for a, b in zip(got[phase]["logprobs"], expected[phase]["logprobs"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4), phase

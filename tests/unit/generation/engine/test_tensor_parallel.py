@@ -21,7 +21,7 @@ from tandemrl.weights.base import LocalSyncConfig
 from tandemrl.weights.local import LocalSync
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, repetition_penalty=1.3, ignore_eos=True)
 PROMPTS = ([5, 17, 40, 2], [100, 3], [7] * 9, [250, 251, 252])
 
 

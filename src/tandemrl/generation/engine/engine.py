@@ -189,7 +189,12 @@ class Engine:
             self._load_weights(weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weights.written(self.model.load_weights(weights))
+        weights = iter(weights)
+        try:
+            self.weights.written(self.model.load_weights(weights))
+        finally:  # read to its end even after an error: a broadcast keeps every rank at the same message
+            for _ in weights:
+                pass
         self.blocks.reset_prefix_cache()
         self.version = version
 
@@ -335,7 +340,10 @@ class Engine:
         with self._step_lock:
             if kind != "tick":
                 self._guarded(self._finish_ahead)
-                {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
+                try:
+                    {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
+                except Exception as error:  # noqa: BLE001 - the leader's same call raised to its caller; this rank goes on
+                    log.warning("tensor-parallel rank %d: %s failed as on the leader: %s: %s", self.tp.rank, kind, type(error).__name__, error)
                 return True
             wire, run, closed = args
             self._apply([from_wire(event, self._following) for event in wire])

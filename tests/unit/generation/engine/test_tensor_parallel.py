@@ -22,6 +22,7 @@ from tandemrl.weights.local import LocalSync
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, repetition_penalty=1.3, ignore_eos=True)
+COLOCATED = "qwen3"  # the case whose group is split from a torchrun-like world, updated through LocalSync
 PROMPTS = ([5, 17, 40, 2], [100, 3], [7] * 9, [250, 251, 252])
 
 
@@ -55,6 +56,10 @@ async def _publish(engine: Engine, model_dir: str, colocate: bool) -> None:
 
 async def _lead(engine: Engine, model_dir: str, colocate: bool = False) -> dict[str, dict]:
     before = await _outputs(engine)
+    if not colocate:  # a bad name fails the update on every rank; the engine serves on
+        with pytest.raises(ValueError, match="no parameter 'model.nope.weight'"):
+            await engine.update_weights([("model.norm.weight", torch.ones(64)), ("model.nope.weight", torch.zeros(1))], version=9)
+        before["after_failed_update"] = (await _outputs(engine))["token_ids"]
     await _publish(engine, model_dir, colocate)
     after = await _outputs(engine)
     await engine.sleep(1)  # every rank frees its KV cache and re-creates it
@@ -108,14 +113,14 @@ def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tp2_results(model_dirs) -> dict[str, dict]:
-    return _tp2([(name, path, name == "qwen3") for name, path in model_dirs.items()])  # qwen3: colocated
+    return _tp2([(name, path, name == COLOCATED) for name, path in model_dirs.items()])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab"])
 def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_dirs, tp2_results):
     engine = Engine(_config(model_dirs[name], 1))
     try:
-        expected = asyncio.run(_lead(engine, model_dirs[name]))
+        expected = asyncio.run(_lead(engine, model_dirs[name], colocate=name == COLOCATED))
     finally:
         asyncio.run(engine.close())
     got = tp2_results[name]
@@ -125,6 +130,7 @@ def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4), phase
         assert got[phase]["versions"] == expected[phase]["versions"]
     assert got["before"]["token_ids"] != got["after"]["token_ids"]  # the update changed the output
+    assert got["before"].get("after_failed_update") == expected["before"].get("after_failed_update")
 
 
 def test_a_split_engine_without_its_group_or_with_heads_that_do_not_divide_is_one_clear_error(model_dirs):

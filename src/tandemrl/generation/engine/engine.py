@@ -199,7 +199,8 @@ class Engine:
         self.version = version
 
     def _hand_over(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """A follower's own tensors, for the leader's next update; returns once they are loaded."""
+        """A follower's own tensors, for the leader's next update (whose version they take); returns once
+        they are loaded."""
         done = threading.Event()
         self._handed.put((weights, done), timeout=self.tp.timeout_s)
         if not done.wait(self.tp.timeout_s):
@@ -451,7 +452,6 @@ class Engine:
             elif seq is not None and self.scheduler.abort(seq):
                 self._streaming.discard(seq)
                 seq.on_finish(seq.completion())
-
 
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:

@@ -77,6 +77,11 @@ def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str,
             tp = split_world(2, timeout_s=60)
         else:  # as tandem rollout: groups of their own, the leader broadcasts updates
             tp = connect(dist.PrefixStore(name, store), rank=rank, size=2, device=torch.device("cpu"), timeout_s=60)
+            long = ("tick", [("add_many", list(range(5000)))])  # past one broadcast's MESSAGE_BYTES: sent in two
+            if rank == 0:
+                tp.send(long)
+            else:
+                assert tp.receive() == long
         engine = Engine(_config(model_dir, 2), tp=tp)
         if rank == 0:
             results[name] = asyncio.run(_lead(engine, model_dir, colocate))

@@ -17,6 +17,7 @@ import torch
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
+from tandemrl.cli.ranks import Silent, start_ranks
 from tandemrl.config import SAMPLING_KEYS, TrainConfig
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
@@ -32,7 +33,8 @@ from tandemrl.rollout.env import open_tool_env
 from tandemrl.rollout.run import MultiTurn
 from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
-from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state
+from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state, sharded_optimizer
+from tandemrl.train.distributed import close_data_parallel
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Example, SamplingParams
 from tandemrl.weights.base import build_weight_sync
@@ -41,14 +43,14 @@ log = logging.getLogger(__name__)
 
 
 def run(config: TrainConfig) -> Path:
-    """Runs the whole training; returns the run directory."""
-    from tandemrl.logging.metrics import MetricsLogger
-    from tandemrl.logging.progress import Progress
-
-    run_dir = _run_dir(config)
+    """Runs the whole training (this rank's part of it under torchrun); returns the run directory."""
+    device = resolve_device(config.trainer.device)
+    dp = start_ranks(config, use_cuda=device.type == "cuda")
+    device = dp.device(device)
+    run_dir = Path(dp.broadcast(str(_run_dir(config)) if dp.is_main else None))
     checkpoint = _resume_point(config, run_dir)
     torch.manual_seed(config.run.seed)
-    tokenizer, model = _policy(config, checkpoint)
+    tokenizer, model = _policy(config, checkpoint, device)
     _check_conversation_length(config, model)
     task = _task(config)
     examples = _data(config, task)
@@ -56,31 +58,30 @@ def run(config: TrainConfig) -> Path:
     config = with_epochs(config, len(examples))
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
+    # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
+    early = _rollout_side(config, model, tokenizer, device=str(device)) if dp.enabled else None
     trainer = Trainer(
-        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature, offload=config.offload
-    )
+        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature,
+        offload=config.offload, dp=dp,
+    )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     state = load_state(checkpoint) if checkpoint is not None else None
     if state is not None:
-        trainer.load_state_dict(state["trainer"])
+        trainer.load_state_dict(state["trainer"], optimizer_shards=sharded_optimizer(checkpoint))
         cursor.load_state_dict(state["cursor"])
         log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
     start_step = state["step"] if state is not None else 0
-    generator, sync = _rollout_side(config, model, tokenizer)
-    _save_config(config, run_dir)
+    generator, sync = early or _rollout_side(config, model, tokenizer)
     device = next(model.parameters()).device
-    print("\n".join(_banner(config, model, device, run_dir)), flush=True)
+    if dp.is_main:
+        _save_config(config, run_dir)
+        print("\n".join(_banner(config, model, device, run_dir, dp.world_size)), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=_sampling(config),
-        logger=MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name),
-        progress=Progress(
-            config.run.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
-            num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
-            heartbeat_s=config.log.heartbeat_s, watch=True,
-        ),
-        evals=evals, run_dir=run_dir,
-    )
+        logger=_logger(config, run_dir) if dp.is_main else Silent(), progress=_progress(config, start_step, device) if dp.is_main else Silent(),
+        evals=evals, run_dir=run_dir, dp=dp,
+    )  # fmt: skip
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
@@ -89,8 +90,26 @@ def run(config: TrainConfig) -> Path:
     finally:
         parts.progress.close()
         parts.logger.close()
-        _point_latest(run_dir)
+        if dp.is_main:
+            _point_latest(run_dir)
+        close_data_parallel(dp)
     return run_dir
+
+
+def _logger(config: TrainConfig, run_dir: Path) -> Any:
+    from tandemrl.logging.metrics import MetricsLogger
+
+    return MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name)
+
+
+def _progress(config: TrainConfig, start_step: int, device: torch.device) -> Any:
+    from tandemrl.logging.progress import Progress
+
+    return Progress(
+        config.run.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
+        num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
+        heartbeat_s=config.log.heartbeat_s, watch=True,
+    )  # fmt: skip
 
 
 async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig, judge_generator: Any) -> None:
@@ -115,10 +134,12 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
             await judge_generator.close()
 
 
-def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path) -> list[str]:
+def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path, num_ranks: int) -> list[str]:
     from tandemrl.logging.console import banner
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    if num_ranks > 1:
+        where = f"{num_ranks} ranks (FSDP2), rank 0 on {where}"
     autocast = ", bfloat16 autocast" if device.type == "cuda" and config.trainer.bf16 else ""
     return banner(
         model=config.run.model, num_parameters=sum(p.numel() for p in model.parameters()), task=config.run.task,
@@ -175,10 +196,10 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
     return checkpoint
 
 
-def _policy(config: TrainConfig, checkpoint: Path | None) -> tuple[Any, Any]:
-    """The tokenizer and the policy; with LoRA the base model wrapped with adapters (a resumed run's from
-    its checkpoint, which holds the adapter only)."""
-    device = resolve_device(config.trainer.device)
+def _policy(config: TrainConfig, checkpoint: Path | None, device: torch.device | None = None) -> tuple[Any, Any]:
+    """The tokenizer and the policy on `device` (default: --device's); with LoRA the base model wrapped with
+    adapters (a resumed run's from its checkpoint, which holds the adapter only)."""
+    device = device or resolve_device(config.trainer.device)
     dtype = resolve_dtype(config.trainer.dtype, device)
     lora = config.lora.enabled
     source = str(checkpoint) if checkpoint is not None and not lora else config.run.model
@@ -307,14 +328,15 @@ def _sampling(config: TrainConfig) -> SamplingParams:
     })  # fmt: skip
 
 
-def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator."""
+def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "") -> tuple[Any, Any]:
+    """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator (colocated on
+    `device`, default the trainer's --device)."""
     r = config.generation
     if r.rollout_mode == "server":
         remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
         generator = build_generator(remote)
         return generator, build_weight_sync(config.distributed_sync, generator)
-    device = config.trainer.device
+    device = device or config.trainer.device
     if r.generator == "engine":  # sized for this run: one generation round's sequences, each as long as it may get
         e = config.engine
         wanted = config.data.max_prompt_length + config.algo.max_completion_length

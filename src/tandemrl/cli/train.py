@@ -98,7 +98,8 @@ def main(argv: list[str]) -> int:
     if flags.get("print_config"):
         print(dump_yaml(config.to_dict()), end="")
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 prints and logs
+    logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from tandemrl.cli.inputs import check_inputs
@@ -112,6 +113,8 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     with ctrl_c_ends_the_run():
         run_dir = run(config)
+    if rank:
+        return 0
     from tandemrl.logging.console import summary
     from tandemrl.logging.metrics import read_metrics
     from tandemrl.train.checkpoint import latest_checkpoint

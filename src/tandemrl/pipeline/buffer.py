@@ -50,8 +50,8 @@ class RolloutBuffer:
         self._next_admit += num_groups
         return range(self._next_admit - num_groups, self._next_admit)
 
-    def put(self, index: int, group: Group) -> None:
-        """Hands in the finished (generated and scored) group of admission `index`."""
+    def put(self, index: int, group: Group | None) -> None:
+        """Hands in the finished (generated and scored) group of admission `index` (None: another rank's)."""
         assert self._next_take <= index < self._next_admit and index not in self._done, f"group {index} put twice or never admitted"
         self._done[index] = group
         self._changed.set()

@@ -4,7 +4,8 @@ own task, so a group is scored as soon as it completes and a slow reward never s
 
 Invariant: group j samples with seeds derived from (seed, step j // P, slot j % P) alone and takes the
 j-th prompt of the cursor's order, so the data of a run does not depend on timing, and a group
-regenerated after a resume is the same prompt with the same seeds.
+regenerated after a resume is the same prompt with the same seeds. Under torchrun every rank admits
+every group (the cursors move together) and generates those it owns; another rank's is put as None.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ class Producer:
             for index in await self.buffer.admit(num_steps * self.settings.num_prompts_per_step):
                 example_index = self.parts.cursor.take(1)[0]
                 epoch = self.parts.cursor.num_taken / self.parts.cursor.num_examples  # passes over the data, this prompt included
-                self._spawn(self._produce(index, example_index, epoch))
+                if self.parts.dp.owns(index):
+                    self._spawn(self._produce(index, example_index, epoch))
+                else:
+                    self.buffer.put(index, None)
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -81,7 +85,7 @@ class Producer:
     def step_times(self, indices: range) -> dict[str, float]:
         """time/generate: first admission to last generated group of a step (it overlaps training when
         S > 0); time/reward: seconds its groups spent scoring, summed (scoring overlaps generation)."""
-        timings = [self.timings.pop(i) for i in indices]
+        timings = [self.timings.pop(i) for i in indices if i in self.timings]  # this rank's groups
         return {
             "time/generate": max(t.generated for t in timings) - min(t.admitted for t in timings),
             "time/reward": sum(t.reward_s for t in timings),

@@ -4,7 +4,9 @@ the adapter (peft's format; the base is --model), and on request the merged mode
 
 Invariant: a directory named checkpoint-<step> is complete and its weights are finite. It is written
 under a temporary name and renamed at the end, so a crash mid-save leaves only a temporary directory
-that resume ignores.
+that resume ignores. Under torchrun rank 0 writes the whole model (gathered from the FSDP shards) and the
+trainer state, and every rank its optimizer shard into optimizer/ (torch.distributed.checkpoint), which
+loads on any rank count, one process included.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandemrl.train.distributed import SINGLE, DataParallel, full_state_dict, save_optimizer, untied
+
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
+OPTIMIZER_DIR = "optimizer"  # the sharded optimizer state of a torchrun run
 
 
 def rng_state() -> dict[str, Any]:
@@ -41,29 +46,46 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int, save_merged: bool = False
-) -> Path:
-    """Writes run_dir/checkpoint-<step> atomically and prunes the oldest beyond `limit` (0 = keep all)."""
-    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    run_dir: str | Path, step: int, *, model: Any, tokenizer: Any, state: dict[str, Any], limit: int, save_merged: bool = False,
+    dp: DataParallel = SINGLE, optimizer: Any = None,
+) -> Path:  # fmt: skip
+    """Writes run_dir/checkpoint-<step> atomically and prunes the oldest beyond `limit` (0 = keep all).
+    Under torchrun every rank calls it (the model is gathered; `optimizer`'s shards are written)."""
+    whole = full_state_dict(model, dp) if dp.enabled else None  # rank 0's; None elsewhere
+    weights = (whole or {}).items() if dp.enabled else model.named_parameters()
+    bad = next((name for name, p in weights if not torch.isfinite(p).all()), None)
     if bad is not None:  # the trainer never applies a non-finite step; this is the last line of defence
         raise ValueError(f"refusing to save checkpoint-{step}: weight {bad} holds inf or NaN")
     run_dir = Path(run_dir)
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)  # a peft model writes its adapter
-    tokenizer.save_pretrained(tmp)
-    if save_merged:
-        from tandemrl.train.lora import save_merged as write_merged
+    if dp.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dp.enabled:
+        dp.barrier()
+        save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)
+    if dp.is_main:
+        # a peft model writes its adapter; a sharded one its gathered weights
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": untied(model, whole)} if dp.enabled else {}))
+        tokenizer.save_pretrained(tmp)
+        if save_merged:
+            from tandemrl.train.lora import save_merged as write_merged
 
-        write_merged(model, tmp / "merged")
-        tokenizer.save_pretrained(tmp / "merged")
-    torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _prune(run_dir, limit)
+            write_merged(model, tmp / "merged")
+            tokenizer.save_pretrained(tmp / "merged")
+        torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(run_dir, limit)
+    dp.barrier()
     return final
+
+
+def sharded_optimizer(checkpoint: Path) -> Path | None:
+    """The checkpoint's sharded optimizer state (written under torchrun), or None."""
+    path = checkpoint / OPTIMIZER_DIR
+    return path if path.is_dir() else None
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

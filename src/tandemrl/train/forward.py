@@ -4,22 +4,25 @@ how many tokens a micro-batch holds.
 Chosen once, when the trainer is built. On CUDA with float32 master weights and --bf16: 16-bit compute
 weights (train/precision.py), packed variable-length attention (train/attention.py), each decoder
 layer compiled. On CPU: the policy itself with transformers' own attention (the equivalence reference;
-the embedded default's golden curve runs here).
+the embedded default's golden curve runs here). Under torchrun (train/distributed.py) FSDP2 shards the
+policy per decoder layer, and its mixed-precision policy takes the compute twin's place.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tandemrl.algo.logprobs import set_compile
+from tandemrl.algo.logprobs import logprobs_and_entropy, set_compile
 from tandemrl.train.attention import layout, use_packed_attention
 from tandemrl.train.batching import PackedBatch
 from tandemrl.train.config import TrainerConfig
+from tandemrl.train.distributed import SINGLE, DataParallel, shard
 from tandemrl.train.precision import ComputeWeights
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ class ForwardPlan:
     packed: bool  # packed attention: the forward takes the row layout as kwargs
     compile: bool
     no_grad_budget_factor: int  # no-grad passes (reference, old policy) take this many times the tokens
+    dp: DataParallel = SINGLE  # the ranks FSDP2 shards the policy over (SINGLE: no sharding)
+    mixed: bool = False  # sharded: bfloat16 compute over float32 shards
 
     def forward_model(self, master: Any, version: int) -> Any:
         """The model to run forward and backward on: the compute twin, fresh for `version`, or the policy."""
@@ -53,6 +58,16 @@ class ForwardPlan:
         frozen.eval().requires_grad_(False)
         self._prepare(frozen)
         return frozen
+
+    def shard_policy(self, master: Any) -> None:
+        """Under torchrun: the policy sharded (after the reference was copied whole); else nothing."""
+        if self.dp.enabled:
+            self._prepare(master)
+
+    def logprobs(self, model: Any, m: PackedBatch, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """`packed_logprobs` of `model` on `m`; through the sharded model's registered method under FSDP."""
+        run = model.packed_logprobs if self.dp.enabled else functools.partial(packed_logprobs, model)
+        return run(m.input_ids, m.position_ids, m.trained_index, m.target_ids, self.attention_kwargs(m), **options)
 
     def attention_kwargs(self, m: PackedBatch) -> dict:
         return layout(m.cu_seqlens, m.max_seqlen) if self.packed else {}
@@ -76,21 +91,30 @@ class ForwardPlan:
             use_packed_attention(model)
         if self.compile:
             compile_layers(model)
+        if self.dp.enabled:
+            shard(model, decoder_layers(model), self.dp, mixed=self.mixed)
 
 
-def forward_plan(config: TrainerConfig, model: Any) -> ForwardPlan:
+def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -> ForwardPlan:
+    """The plan; in one process it also sets the policy up (under torchrun `shard_policy` does, later)."""
     device = next(model.parameters()).device
     master_dtype = next(model.parameters()).dtype
     on_cuda = device.type == "cuda"
     mixed = on_cuda and config.bf16 and master_dtype == torch.float32
     plan = ForwardPlan(
         compute=None,
-        dtype=torch.bfloat16 if mixed else None,
+        dtype=torch.bfloat16 if mixed and not dp.enabled else None,
         packed=on_cuda,
         compile=on_cuda and config.torch_compile,
         no_grad_budget_factor=4 if on_cuda else 1,
+        dp=dp,
+        mixed=mixed,
     )
     set_compile(plan.compile)
+    if dp.enabled:  # FSDP2's mixed precision replaces the compute twin
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        return plan
     if mixed:
         plan.compute = ComputeWeights(model, torch.bfloat16)
     forward = plan.compute.model if plan.compute is not None else model
@@ -100,10 +124,30 @@ def forward_plan(config: TrainerConfig, model: Any) -> ForwardPlan:
     return plan
 
 
-def compile_layers(model: Any) -> None:
-    """torch.compile each decoder layer (the classes transformers keeps whole when sharding a model)."""
+def packed_logprobs(
+    model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, trained_index: torch.Tensor, target_ids: torch.Tensor,
+    attention: dict, *, temperature: float, chunk_size: int, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropy [T] of the trained targets of a packed row; no [N, V] logits ever exist.
+
+    input_ids, position_ids [1, N]; trained_index [T]; target_ids [N]; attention: the row's layout kwargs.
+    """
+    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention).last_hidden_state  # [1, N, H]
+    return logprobs_and_entropy(
+        hidden[0, trained_index], model.get_output_embeddings(), target_ids[trained_index],
+        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+    )  # fmt: skip
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers: the classes transformers keeps whole when sharding a model (_no_split_modules)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_layers(model: Any) -> None:
+    """torch.compile each decoder layer."""
+    layers = decoder_layers(model)
     if not layers:
         log.info("no decoder layers found to compile in %s; it runs eager", type(model).__name__)
         return

@@ -6,6 +6,8 @@ On CUDA the forward and backward run on 16-bit compute weights refreshed once pe
 (train/precision.py), with packed variable-length attention (train/attention.py), compiled decoder
 layers, and the fused logprob head over trained positions only (algo/logprobs.py). On CPU in float32
 the policy itself runs, with transformers' own attention: the reference path of every equivalence test.
+Under torchrun the policy is sharded by FSDP2 and each rank trains its share of the step's groups, with
+the normaliser counted over every rank (train/distributed.py), so W ranks step as one.
 
 Legend: N packed tokens of a micro-batch, H hidden size, S sequences.
 """
@@ -15,15 +17,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandemrl.algo.logprobs import logprobs_and_entropy
 from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, logprob_mismatch_kl, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
 from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import OffloadConfig, TrainerConfig
+from tandemrl.train.distributed import (
+    SINGLE, DataParallel, full_state_dict, full_tensor, load_full_state_dict, load_optimizer, load_whole_optimizer,
+)  # fmt: skip
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
 from tandemrl.train.lora import is_lora, merged_weights, reference_policy, unwrap
 from tandemrl.train.offload import TrainerOffload
@@ -37,22 +42,25 @@ class Trainer:
 
     def __init__(
         self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0,
-        offload: OffloadConfig | None = None,
+        offload: OffloadConfig | None = None, dp: DataParallel = SINGLE,
     ) -> None:
         self.config = config
         self.algo = algo
         self.loss = loss_config(algo)
         self.model = model
+        self.dp = dp
         self.device = next(model.parameters()).device
         self.policy_version = 0
         self.num_skipped_steps = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
+        self._filler: PackedBatch | None = None  # under FSDP, the step's zero-weight micro-batch (idle_batch)
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
         if config.disable_dropout:
             disable_dropout(model)
-        self.plan: ForwardPlan = forward_plan(config, model)
+        self.plan: ForwardPlan = forward_plan(config, model, dp)
         # with LoRA the reference is the base itself: the adapters disabled (no second copy)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 and not is_lora(model) else None
+        self.plan.shard_policy(model)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # with LoRA, only the adapters
             lr=config.learning_rate,
@@ -65,16 +73,20 @@ class Trainer:
         self.offload = TrainerOffload(offload or OffloadConfig(), self)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """num_iterations optimizer steps over one batch; returns the step's metrics."""
-        traces = [self._trainable(r.trace, r.status) for g in batch.groups for r in g.rollouts]
-        advantages = batch.advantages()
+        """num_iterations optimizer steps over one batch (this rank's share of it); returns the step's metrics."""
+        if self.dp.enabled and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # FSDP's collectives run on the current device of this worker thread
+        groups = self.dp.share(batch.groups)
+        traces = [self._trainable(r.trace, r.status) for g in groups for r in g.rollouts]
+        advantages = [a for g in groups for a in g.advantages]
         budget = microbatch_budget(self.config, self.model, self.device)
         plan = plan_microbatches([len(t.token_ids) for t in traces], budget)
         micro = [pack([traces[i] for i in idx], [advantages[i] for i in idx], self.device) for idx in plan]
-        num_tokens = sum(m.num_trained_tokens for m in micro)
+        num_tokens = self.dp.sum(sum(m.num_trained_tokens for m in micro))  # trained tokens of every rank
         if num_tokens == 0:
             return {"train/num_trained_tokens": 0.0}
-        counts = dict(num_sequences=len(traces), num_tokens=num_tokens)
+        counts = dict(num_sequences=sum(len(g.rollouts) for g in batch.groups), num_tokens=num_tokens)
+        self._filler = idle_batch(batch, self.device) if self.dp.enabled else None
         # no-grad passes (reference, old policy) only when the loss needs them, in larger micro-batches
         scored = lambda model: self._score(model, traces, plan, budget * self.plan.no_grad_budget_factor)  # noqa: E731
         ref = self._reference_logprobs(scored)
@@ -110,7 +122,9 @@ class Trainer:
             loss.backward()
             self.plan.after_backward()
             combine_metrics(sums, parts)  # summed on the device (min / max for the extremes): the loop never waits
-        values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+        for _ in range(self.dp.max(len(micro)) - len(micro)):  # FSDP: as many passes as the busiest rank
+            (self.plan.logprobs(model, self._filler, **self._head_options(False))[0].sum() * 0.0).backward()
+        values = self.dp.combine_metrics(dict(zip(sums, torch.stack(list(sums.values())).tolist())) if sums else {})
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         if not (math.isfinite(grad_norm) and math.isfinite(values["loss"])):
@@ -167,28 +181,27 @@ class Trainer:
 
     def _forward(self, model: Any, m: PackedBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropy [N] of the targets; only trained positions are scored (0 elsewhere)."""
-        body = unwrap(model)  # a peft model's transformers model
-        hidden = body.base_model(
-            input_ids=m.input_ids, position_ids=m.position_ids, use_cache=False, **self.plan.attention_kwargs(m)
-        ).last_hidden_state  # [1, N, H]
+        logprobs, entropy = self.plan.logprobs(unwrap(model), m, **self._head_options(with_entropy))  # [T], [T]  (peft: its transformers model)
         trained = m.trained_index  # [T]
-        logprobs, entropy = logprobs_and_entropy(
-            hidden[0, trained], body.get_output_embeddings(), m.target_ids[trained],
-            temperature=self.temperature, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy,
-        )  # fmt: skip
         zeros = torch.zeros(m.target_ids.shape, dtype=torch.float32, device=m.target_ids.device)  # [N]
         return zeros.index_put((trained,), logprobs), zeros.index_put((trained,), entropy)
+
+    def _head_options(self, with_entropy: bool) -> dict:
+        return dict(temperature=self.temperature, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy)
 
     @torch.no_grad()
     def _score(self, model: Any, traces: list[TokenTrace], plan: list[list[int]], budget: int) -> list[torch.Tensor]:
         """Logprobs [N] of each training micro-batch in `plan`, computed in no-grad micro-batches of `budget` tokens."""
         lengths = [len(t.token_ids) for t in traces]
         per_trace: list[torch.Tensor] = [torch.empty(0)] * len(traces)
-        for idx in plan_microbatches(lengths, budget):
+        no_grad_plan = plan_microbatches(lengths, budget)
+        for idx in no_grad_plan:
             m = pack([traces[i] for i in idx], [0.0] * len(idx), self.device)
             logprobs = self._forward(model, m, with_entropy=False)[0]
             for i, part in zip(idx, logprobs.split([lengths[i] for i in idx])):
                 per_trace[i] = part
+        for _ in range(self.dp.max(len(no_grad_plan)) - len(no_grad_plan)):  # FSDP: as many passes as the busiest rank
+            self.plan.logprobs(model, self._filler, **self._head_options(False))
         return [torch.cat([per_trace[i] for i in idx]) for idx in plan]
 
     def _trainable(self, trace: TokenTrace, status: RolloutStatus) -> TokenTrace:
@@ -198,24 +211,43 @@ class Trainer:
         return trace
 
     def _clip_gradients(self) -> float:
+        """clip_grad_norm_ in its two halves, so a sharded norm is made whole (one all-reduce) before it scales."""
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        params = list(self.model.parameters())
+        norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything but, under FSDP, the optimizer (each rank writes its shard: checkpoint.save_checkpoint).
+        A collective under FSDP (the reference is gathered whole)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": None if self.dp.enabled else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "policy_version": self.policy_version,
-            "reference": None if self.reference is None else self.reference.state_dict(),
+            "reference": None if self.reference is None else full_state_dict(self.reference, self.dp),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict[str, Any], *, optimizer_shards: Path | None = None) -> None:
+        """A checkpoint's state, written on any rank count: a sharded optimizer comes from `optimizer_shards`."""
+        if optimizer_shards is not None:
+            load_optimizer(self.model, self.optimizer, optimizer_shards)
+        elif self.dp.enabled:
+            load_whole_optimizer(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = state["policy_version"]
         if self.reference is not None and state["reference"] is not None:
-            self.reference.load_state_dict(state["reference"])
+            load_full_state_dict(self.reference, state["reference"], self.dp)
         self.plan.invalidate()  # the masters changed under the compute weights
+
+
+def idle_batch(batch: Batch, device: torch.device) -> PackedBatch:
+    """A micro-batch that an idle rank runs with zero weight, so it joins FSDP's gathers: the batch's
+    shortest trace, every target trained (so the pass reaches every weight)."""
+    trace = min(batch.traces(), key=lambda t: len(t.token_ids))
+    return pack([dataclasses.replace(trace, loss_mask=[True] * len(trace.loss_mask))], [0.0], device)
 
 
 def disable_dropout(model: Any) -> None:

@@ -1,11 +1,17 @@
 """Colocate weight sync: the generator shares the trainer's process; tensors are handed over in memory,
-in `move_model_batches` batches, and the new version goes live after the last batch."""
+in `move_model_batches` batches, and the new version goes live after the last batch.
+
+Under torchrun the trainer's weights are FSDP shards: each batch is gathered whole (every rank gathers
+the same batches in the same order) just before it is handed over, so a sync's extra memory is about
+one batch, never the whole model.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from tandemrl.train.distributed import full_tensor
 from tandemrl.weights.base import LocalSyncConfig, batched
 
 if TYPE_CHECKING:
@@ -23,9 +29,11 @@ class LocalSync:
         named = [(name, tensor.detach()) for name, tensor in weights]
         batches = list(batched(named, self.config.move_model_batches, len(named)))
         # every batch but the last keeps the old version: the generator flips only at the end
-        for batch in batches[:-1]:
-            await self.generator.update_weights(batch, version=self.generator.version)
-        await self.generator.update_weights(batches[-1] if batches else [], version=version)
+        for i, batch in enumerate(batches):
+            whole = [(name, full_tensor(tensor)) for name, tensor in batch]
+            await self.generator.update_weights(whole, version=version if i == len(batches) - 1 else self.generator.version)
+        if not batches:
+            await self.generator.update_weights([], version=version)
 
     async def close(self) -> None:
         pass

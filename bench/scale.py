@@ -1,9 +1,27 @@
-"""Past one GPU. `engine`: the engine split over N GPUs (tensor parallel) against one GPU, on a random
-model of a real Qwen2.5 shape: output tokens/s of a GRPO-shaped workload (64 prompts x 8 samples, 128 prompt
-+ 256 new tokens, temperature 1) and greedy equality (token ids of TP = N against TP = 1, the first token's
-logprob gap). This process is rank 0 on GPU 0; ranks 1..N-1 are spawned (generation/engine/workers.py) and
-cut their shards from the model's weights on GPU 0 (CUDA IPC). One JSON line per figure, then a ratio line.
+"""Past one GPU: FSDP2 data-parallel training over torchrun (`train`), a 7B-shaped colocated run
+(`colocate`), and the engine split over N GPUs (`engine`).
 
+train: the train phase of one GRPO step (bench/train.py's workload: 512 sequences of 128 + 256 tokens,
+random weights of a Qwen2.5 shape, float32 masters, bf16 compute) on 1 GPU and with FSDP2 on N GPUs,
+the same global batch. Per run one JSON line: seconds per step (mean of the timed steps), tokens/s, peak
+memory, the loss / grad_norm / entropy curve, and the extra peak memory of a colocated weight sync
+(gathered --move_model_batches batches at a time, into a sink that drops them as an engine copies them).
+Then one line per N: scaling efficiency = tokens/s(N) / (N x tokens/s(1)) (required >= 0.85) and the
+largest relative difference of the curves.
+
+colocate: `tandem train` under torchrun on a random Qwen2.5-7B-shaped model saved to a temporary
+directory (bf16 on disk, float32 masters), each rank with its own engine; stopped after --steps logged
+steps (the run's final checkpoint is not part of the figure). Prints the steady step time split and
+rank 0's peak memory (the console's `mem`), or the error that stopped it.
+
+engine: the engine split over N GPUs (tensor parallel) against one GPU, on a random model of a real
+Qwen2.5 shape: output tokens/s of a GRPO-shaped workload (64 prompts x 8 samples, 128 prompt + 256 new
+tokens, temperature 1) and greedy equality (token ids of TP = N against TP = 1, the first token's logprob
+gap). This process is rank 0 on GPU 0; ranks 1..N-1 are spawned (generation/engine/workers.py) and cut
+their shards from the model's weights on GPU 0 (CUDA IPC). One JSON line per figure, then a ratio line.
+
+    python bench/scale.py train --model 1.5b --nproc 1,2
+    python bench/scale.py colocate --model 7b --nproc 2 --steps 4 -- --sleep_level 1
     python bench/scale.py engine --model 1.5b --tensor_parallel_size 2
 """
 
@@ -14,24 +32,38 @@ import asyncio
 import json
 import os
 import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from train import COMPLETION, GENERATIONS, PROMPT, PROMPTS, make_batch  # noqa: E402
+
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, tie_word_embeddings=False,
+    ),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),  # CPU check
 }
+CURVE = ("loss", "grad_norm", "entropy")
 
 
 def qwen_config(shape: str):
     """Qwen2.5's config of that size (the real vocabulary, rope and tying)."""
     from transformers import Qwen2Config
 
+    base = dict(vocab_size=151936, tie_word_embeddings=True)
     return Qwen2Config(
-        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        bos_token_id=151643, eos_token_id=151645, **SHAPES[shape],
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+        **{**base, **SHAPES[shape]},
     )  # fmt: skip
 
 
@@ -42,6 +74,177 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype = torch.flo
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(qwen_config(shape), dtype=dtype, attn_implementation="sdpa")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Sink:
+    """A colocated generator that takes each gathered batch as an engine copies it, and keeps nothing."""
+
+    version = 0
+
+    async def update_weights(self, weights, *, version: int) -> None:
+        self.version = version
+
+
+def sync_peak_gib(trainer, device: torch.device, move_model_batches: int) -> float:
+    """Extra peak memory (GiB) of one colocated sync of the sharded trainer's weights."""
+    from tandemrl.weights.base import LocalSyncConfig
+    from tandemrl.weights.local import LocalSync
+
+    if device.type != "cuda":
+        return 0.0
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    sync = LocalSync(LocalSyncConfig(move_model_batches=move_model_batches), Sink())
+    asyncio.run(sync.publish(trainer.model.named_parameters(), version=1))
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def train_worker(args) -> None:
+    """One rank of the train benchmark (under torchrun; alone, the one-GPU run)."""
+    from tandemrl.algo.presets import AlgoConfig
+    from tandemrl.train.config import TrainerConfig
+    from tandemrl.train.distributed import close_data_parallel, init_data_parallel
+    from tandemrl.train.trainer import Trainer
+
+    use_cuda = torch.cuda.is_available()
+    dp = init_data_parallel(use_cuda)
+    device = dp.device(torch.device("cuda" if use_cuda else "cpu"))
+    model = build_model(args.model, device)
+    config = TrainerConfig(learning_rate=args.learning_rate, device=device.type, max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    trainer = Trainer(config, AlgoConfig(beta=0.0), model, max_steps=100, dp=dp)
+    batch = make_batch()
+    batch.groups = batch.groups[: args.num_prompts]
+    curve, seconds = [], []
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup + args.steps):
+        synchronize(device)
+        dp.barrier()
+        started = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        synchronize(device)
+        dp.barrier()
+        seconds.append(time.perf_counter() - started)
+        curve.append({key: metrics[key] for key in CURVE})
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else 0.0
+    sync = {f"sync_peak_gib_batches_{n}": round(sync_peak_gib(trainer, device, n), 2) for n in (1, args.move_model_batches)}
+    timed = seconds[args.warmup :]
+    num_tokens = len(batch.groups) * GENERATIONS * (PROMPT + COMPLETION)
+    if dp.is_main:
+        row = {
+            "model": args.model, "num_gpus": dp.world_size, "seconds": round(sum(timed) / len(timed), 3),
+            "first_step_s": round(seconds[0], 2), "tokens_per_s": round(num_tokens * len(timed) / sum(timed)),
+            "peak_gib": round(peak, 2), **sync, "curve": curve,
+        }  # fmt: skip
+        print("RESULT " + json.dumps(row), flush=True)
+    close_data_parallel(dp)
+
+
+def launch(nproc: int, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """This file's worker on `nproc` ranks (torchrun), or alone for one."""
+    script = [os.path.abspath(__file__), *argv]
+    cmd = [sys.executable, *script] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+
+
+def max_relative_difference(a: list[dict], b: list[dict]) -> float:
+    """max over steps and CURVE keys of |a - b| / max(|a|, 1e-6). Example: [{"loss": 1.0}] vs [{"loss": 1.01}] -> 0.0099..."""
+    return max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-6) for x, y in zip(a, b) for k in CURVE)
+
+
+def train(args) -> None:
+    worker = ["_train_worker", "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--learning_rate", str(args.learning_rate), "--move_model_batches", str(args.move_model_batches),
+              "--max_tokens_per_microbatch", str(args.max_tokens_per_microbatch), "--num_prompts", str(args.num_prompts)]  # fmt: skip
+    results = {}
+    for nproc in [int(n) for n in args.nproc.split(",")]:
+        done = launch(nproc, worker, args.timeout_s)
+        found = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not found:
+            print(json.dumps({"model": args.model, "num_gpus": nproc, "error": (done.stderr or done.stdout)[-3000:]}), flush=True)
+            continue
+        results[nproc] = json.loads(found[0])
+        print(json.dumps(results[nproc]), flush=True)
+    if 1 not in results:
+        return
+    one = results[1]
+    for nproc, row in results.items():
+        if nproc == 1:
+            continue
+        efficiency = row["tokens_per_s"] / (nproc * one["tokens_per_s"])
+        drift = max_relative_difference(one["curve"], row["curve"])
+        verdict = "meets" if efficiency >= 0.85 else "BELOW"
+        print(
+            f"ratio {args.model} train phase: {nproc} GPUs {row['seconds']:.3f} s vs 1 GPU {one['seconds']:.3f} s = "
+            f"{one['seconds'] / row['seconds']:.2f}x, scaling efficiency {efficiency:.2f} ({verdict} 0.85); "
+            f"curves (loss, grad_norm, entropy) differ by at most {drift:.2e} (relative)",
+            flush=True,
+        )
+
+
+def colocate(args) -> None:
+    """`tandem train` under torchrun on a random model of `args.model`'s shape, stopped after args.steps steps."""
+    from tandemrl.tasks.tiny import build_tokenizer
+
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
+        started = time.perf_counter()
+        model = build_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
+        model.save_pretrained(f"{tmp}/model")
+        build_tokenizer().save_pretrained(f"{tmp}/model")
+        del model
+        torch.cuda.empty_cache()
+        saved_s = time.perf_counter() - started
+        with open(f"{tmp}/data.jsonl", "w") as f:
+            for i in range(256):
+                f.write(json.dumps({"prompt": f"{i:04d} " + "abcdefghij" * (args.prompt_tokens // 10)}) + "\n")
+        with open(f"{tmp}/noise.py", "w") as f:
+            f.write("import random\n\ndef noise(prompts, completions, **kw):\n    return [random.random() for _ in completions]\n")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "tandemrl", "train",
+            "--model", f"{tmp}/model", "--dataset", f"{tmp}/data.jsonl", "--reward_funcs", f"{tmp}/noise.py:noise",
+            "--num_prompts_per_step", str(args.prompts), "--num_generations", str(args.generations),
+            "--max_completion_length", str(args.completion_tokens), "--max_prompt_length", str(args.prompt_tokens + 64),
+            "--beta", "0", "--max_steps", "1000", "--logging_steps", "1", "--output_dir", f"{tmp}/run",
+            "--move_model_batches", str(args.move_model_batches), *args.train_flags,
+        ]  # fmt: skip
+        rows, lines, error = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, args.timeout_s)
+    memory = [float(m) for m in re.findall(r"mem ([0-9.]+)G", lines)]
+    out = {"model": args.model, "num_gpus": args.nproc, "flags": args.train_flags, "model_saved_s": round(saved_s, 1), "steps": len(rows)}
+    if len(rows) < args.steps:
+        out["error"] = error[-3000:]
+    steady = rows[1:] or rows
+    for key in ("step_time", "time/generate", "time/train", "time/sync"):
+        if steady:
+            out[key] = round(sum(r[key] for r in steady) / len(steady), 2)
+    if memory:
+        out["peak_gib_rank0"] = max(memory)
+    print(json.dumps(out), flush=True)
+
+
+def run_until(cmd: list[str], metrics_path: str, steps: int, timeout_s: float) -> tuple[list[dict], str, str]:
+    """Runs `cmd` until metrics_path holds `steps` rows (then stops it), it exits, or timeout_s passes."""
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict] = []
+    while time.monotonic() < deadline and process.poll() is None:
+        time.sleep(2)
+        if os.path.exists(metrics_path):
+            rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+        if len(rows) >= steps:
+            break
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    output = process.communicate(timeout=60)[0]
+    if os.path.exists(metrics_path):
+        rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+    return rows[:steps], output, output
 
 
 def _rank_died(rank: int, exit_code: int | None) -> None:
@@ -105,6 +308,30 @@ def engine(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train", help="the train phase on 1 GPU and with FSDP2 on N GPUs, same global batch")
+    w = sub.add_parser("_train_worker", help=argparse.SUPPRESS)
+    for p in (t, w):
+        p.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--warmup", type=int, default=2)
+        p.add_argument("--learning_rate", type=float, default=1e-5)
+        p.add_argument("--move_model_batches", type=int, default=8)
+        p.add_argument("--max_tokens_per_microbatch", type=int, default=0)
+        p.add_argument("--num_prompts", type=int, default=PROMPTS, help="groups of the global batch (64; fewer for a CPU check)")
+    t.add_argument("--nproc", default="1,2")
+    t.add_argument("--timeout_s", type=float, default=220)
+    c = sub.add_parser("colocate", help="tandem train under torchrun, colocated engines, a random model")
+    c.add_argument("--model", default="7b", choices=sorted(SHAPES))
+    c.add_argument("--nproc", type=int, default=2)
+    c.add_argument("--steps", type=int, default=4)
+    c.add_argument("--prompts", type=int, default=16)
+    c.add_argument("--generations", type=int, default=8)
+    c.add_argument("--prompt_tokens", type=int, default=128)
+    c.add_argument("--completion_tokens", type=int, default=256)
+    c.add_argument("--move_model_batches", type=int, default=8)
+    c.add_argument("--timeout_s", type=float, default=200)
+    c.add_argument("--tmp_dir", default=None)
+    c.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: more `tandem train` flags")
     e = sub.add_parser("engine", help="the engine split over N GPUs (tensor parallel) against one GPU")
     e.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
     e.add_argument("--tensor_parallel_size", type=int, default=2)
@@ -116,7 +343,9 @@ def main() -> None:
     e.add_argument("--gpu_memory_utilization", type=float, default=0.6)
     e.add_argument("--enforce_eager", action="store_true", help="no CUDA graphs (the ranks' collectives run eagerly)")
     args = parser.parse_args()
-    {"engine": engine}[args.what](args)
+    if args.what == "colocate":
+        args.train_flags = [f for f in args.train_flags if f != "--"]
+    {"train": train, "_train_worker": train_worker, "colocate": colocate, "engine": engine}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""`torchrun --nproc_per_node 2 -m tandemrl train` on CPU (gloo, FSDP2): one launch, shared by every test
+here, then one rank resumes it. Two ranks train as one rank on the same data; resume changes rank count."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["--num_prompts_per_step", "4", "--num_generations", "4", "--max_completion_length", "6"]
+FIRST_GOLDEN_REWARD = 0.1015625  # step 1 of test_train_cli's golden curve: the groups one process samples
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args = ["--output_dir", str(run_dir), "--max_steps", "2", "--save_steps", "1", "--save_total_limit", "0", *TINY]
+    return run_dir, run([*torchrun, "-m", "tandemrl", "train", *args])
+
+
+@pytest.fixture(scope="module")
+def one_rank_step_2(two_ranks, tmp_path_factory) -> Path:
+    """One process resumes the two-rank run's checkpoint-1 and trains its step 2 again."""
+    run_dir, result = two_ranks
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(run_dir, resumed, ignore=shutil.ignore_patterns("checkpoint-2"))
+    (resumed / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    done = run([sys.executable, "-m", "tandemrl", "train", "--output_dir", str(resumed), "--resume", "--max_steps", "2"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return resumed
+
+
+def test_two_ranks_print_once_and_write_one_checkpoint_with_optimizer_shards(two_ranks):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, result = two_ranks
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("tandem train:") == 1 and "2 ranks (FSDP2)" in result.stdout
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoint-2" / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint-2")  # HF format, loadable as is
+
+
+def test_two_ranks_sample_the_groups_one_process_samples(two_ranks):
+    run_dir, result = two_ranks
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(run_dir)[0]["reward"] == pytest.approx(FIRST_GOLDEN_REWARD, abs=1e-9)
+
+
+def test_two_ranks_train_as_one_rank_on_the_same_data_and_resume_on_one(two_ranks, one_rank_step_2):
+    from safetensors.torch import load_file
+
+    two, one = metrics(two_ranks[0])[1], metrics(one_rank_step_2)[1]
+    assert one["reward"] == two["reward"]  # the same groups, from the same checkpoint
+    for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"):
+        assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
+    a = load_file(two_ranks[0] / "checkpoint-2" / "model.safetensors")
+    b = load_file(one_rank_step_2 / "checkpoint-2" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -71,7 +71,7 @@ class ToolEnv:
         messages[-1]["tool_calls"] = [
             {"type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls
         ]
-        answers = await asyncio.gather(*(self.toolbox.call(c) for c in calls))
+        answers = await asyncio.gather(*(self.toolbox.call(c, example) for c in calls))
         return [{"role": "tool", "name": c.name, "content": a} for c, a in zip(calls, answers)]
 
 

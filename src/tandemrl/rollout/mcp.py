@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.rollout.tools import Tool
+from tandemrl.types import Example
 
 
 def read_mcp_config(path: str) -> dict[str, dict[str, Any]]:
@@ -86,7 +87,7 @@ def _tool(session: Any, listed: Any) -> Tool:
     parameters = _field(listed, "input_schema", "inputSchema")
     schema = {"type": "function", "function": {"name": listed.name, "description": listed.description or "", "parameters": parameters}}
 
-    async def call(arguments: dict[str, Any]) -> str:
+    async def call(arguments: dict[str, Any], example: Example | None) -> str:  # an MCP tool is stateless here
         result = await session.call_tool(listed.name, arguments)
         text = "\n".join(c.text if getattr(c, "type", "") == "text" else c.model_dump_json() for c in result.content)
         return f"error: {text}" if _field(result, "is_error", "isError") else text

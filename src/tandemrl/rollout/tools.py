@@ -10,37 +10,45 @@ import asyncio
 import inspect
 import json
 import logging
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rollout.chat import ToolCall
+from tandemrl.types import Example
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Tool:
-    """One callable tool: its JSON schema (as chat templates take `tools=[...]`) and an async call."""
+    """One callable tool: its JSON schema (as chat templates take `tools=[...]`) and an async call, which
+    gets the model's arguments and the rollout's dataset row (None outside a rollout)."""
 
     name: str
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
-    call: Callable[[dict[str, Any]], Awaitable[str]]
+    call: Callable[[dict[str, Any], Example | None], Awaitable[str]]
 
 
 def python_tool(fn: Callable[..., Any]) -> Tool:
     """A Python function as a tool; its schema comes from type hints and a Google-style docstring
     (transformers' `get_json_schema`, what `apply_chat_template(tools=[fn])` uses). Sync functions run
-    in a worker thread; a result that is not a string is sent as JSON."""
-    from transformers.utils import get_json_schema
+    in a worker thread; a result that is not a string is sent as JSON.
 
+    A parameter annotated `Example` is the tool's state, not the model's to give: it is left out of the
+    schema and receives the rollout's dataset row (e.g. a secret the task keeps behind the tool, or the
+    row's id in a sandbox), as verifiers' stateful tools and TRL's environments hand a row to a tool.
+    """
+    hidden = [name for name, hint in _type_hints(fn).items() if hint is Example]
     try:
-        schema = get_json_schema(fn)
+        schema = _schema(fn, hidden)
     except Exception as error:  # transformers raises its own exception types for each docstring fault
         raise ValueError(f"tool {fn.__name__!r}: {error}; give every argument a type hint and an Args: line") from None
 
-    async def call(arguments: dict[str, Any]) -> str:
+    async def call(arguments: dict[str, Any], example: Example | None) -> str:
+        arguments = {**arguments, **dict.fromkeys(hidden, example)}  # the row wins over a same-named argument
         if inspect.iscoroutinefunction(fn):
             result = await fn(**arguments)
         else:
@@ -48,6 +56,30 @@ def python_tool(fn: Callable[..., Any]) -> Tool:
         return result if isinstance(result, str) else json.dumps(result)
 
     return Tool(name=schema["function"]["name"], schema=schema, call=call)
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - an unresolvable hint is get_json_schema's to report, with its message
+        return {}
+
+
+def _schema(fn: Callable[..., Any], hidden: list[str]) -> dict[str, Any]:
+    """get_json_schema of `fn` as the model sees it: without the `hidden` parameters."""
+    from transformers.utils import get_json_schema
+
+    if not hidden:
+        return get_json_schema(fn)
+
+    def shown(*args: Any, **kwargs: Any) -> Any:  # only its signature, name and docstring are read
+        raise NotImplementedError
+
+    signature = inspect.signature(fn)
+    shown.__signature__ = signature.replace(parameters=[p for n, p in signature.parameters.items() if n not in hidden])
+    shown.__annotations__ = {n: h for n, h in _type_hints(fn).items() if n not in hidden}
+    shown.__name__, shown.__doc__ = fn.__name__, fn.__doc__
+    return get_json_schema(shown)
 
 
 def load_python_tools(specs: list[str]) -> list[Tool]:
@@ -76,7 +108,7 @@ class ToolBox:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
 
-    async def call(self, call: ToolCall) -> str:
+    async def call(self, call: ToolCall, example: Example | None = None) -> str:
         """The tool's answer, or the error the model should read (it starts with "error: ")."""
         if call.error:
             return f"error: {call.error}"
@@ -84,7 +116,7 @@ class ToolBox:
         if tool is None:
             return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
         try:
-            return await asyncio.wait_for(tool.call(call.arguments), self.timeout_s)
+            return await asyncio.wait_for(tool.call(call.arguments, example), self.timeout_s)
         except TimeoutError:  # a sync tool's thread runs on to its end; its answer is dropped
             return f"error: tool {call.name!r} timed out after {self.timeout_s:g} s"
         except Exception as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash

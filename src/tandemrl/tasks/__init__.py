@@ -24,6 +24,7 @@ def _lazy(module: str) -> Callable[..., Task]:
 TASKS: dict[str, Callable[..., Task]] = {
     "calculator": _lazy("tandemrl.tasks.calculator"),
     "gsm8k": _lazy("tandemrl.tasks.gsm8k"),
+    "lookup": _lazy("tandemrl.tasks.lookup"),
     "synthetic": _lazy("tandemrl.tasks.synthetic"),
 }
 

@@ -10,6 +10,7 @@ import pytest
 from tandemrl.rollout.chat import HermesParser, ToolCall, build_parser
 from tandemrl.rollout.tools import ToolBox, load_python_tools, python_tool
 from tandemrl.tasks.calculator import calculator
+from tandemrl.types import Example
 
 
 async def slow(seconds: float) -> str:
@@ -86,3 +87,22 @@ def test_hermes_parser_reads_calls_and_never_raises():
     assert isinstance(build_parser("hermes"), HermesParser)
     with pytest.raises(ValueError, match="unknown --tool_call_parser"):
         build_parser("nope")
+
+
+def secret_of(example: Example, salt: str = "") -> str:
+    """The row's secret.
+
+    Args:
+        salt: Appended to it.
+    """
+    return example.columns["secret"] + salt
+
+
+def test_an_example_parameter_is_hidden_from_the_model_and_receives_the_rollouts_row():
+    tool = python_tool(secret_of)
+    assert tool.name == "secret_of" and list(tool.schema["function"]["parameters"]["properties"]) == ["salt"]
+    assert "required" not in tool.schema["function"]["parameters"]  # salt has a default
+    box, row = ToolBox([tool], timeout_s=5), Example(prompt="p", columns={"secret": "s3"})
+    assert asyncio.run(box.call(ToolCall(name="secret_of", arguments={"salt": "!"}), row)) == "s3!"
+    # the model cannot hand in a row of its own
+    assert asyncio.run(box.call(ToolCall(name="secret_of", arguments={"example": {"columns": {}}}), row)) == "s3"

@@ -1,4 +1,4 @@
-"""The tool task the tiny built-in policy learns on a CPU: which characters to write is behind a tool.
+"""A tool task the tiny built-in policy plays on a CPU: which characters to write is behind a tool.
 
 Every prompt is the same, `secret:`; each example hides a class (digits, lowercase or uppercase) that
 only the `hint` tool tells. The reward is the fraction of the last turn's characters in that class, so
@@ -7,8 +7,10 @@ calls it and writes what it reads can reach 1. `tool_use` (weight 0.2) pays a ca
 A random-init model cannot write Hermes JSON by chance, so this task reads calls its own way: a turn
 with a call mark in it calls `hint` (`--tool_call_parser tandemrl.tasks.lookup:MarkParser`, the plug-in
 point a model with another call format uses), and the recipe stops a turn at a mark, because only a
-turn that ends (rather than running out of tokens) gets an answer. It exercises the whole multi-turn path: tool
-schemas through the chat template, tool answers as untrained context, rewards on the conversation.
+turn that ends (rather than running out of tokens) gets an answer. It exercises the whole multi-turn
+path: tool schemas through the chat template, tool answers as untrained context, rewards on the
+conversation. Measured on a CPU, the tiny policy learns to call the tool within ~40 steps but not, in
+150 steps, to write what it reads (README: "Train an agent with your MCP server").
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def last_turn_class_reward(prompts: list[Any], completions: list[Any], char_clas
     Example: last_turn_class_reward([p], [[{"role": "assistant", "content": "?"}, {"role": "tool", "content": "digits"},
     {"role": "assistant", "content": "123"}]], char_class=["digits"]) -> [1.0]
     """
-    last = [next((m.get("content") or "" for m in reversed(c) if m.get("role") == "assistant"), "") for c in completions]
+    last = [
+        c if isinstance(c, str) else next((m.get("content") or "" for m in reversed(c) if m.get("role") == "assistant"), "")
+        for c in completions
+    ]  # a single-turn completion (run without the tool) is its own last turn
     return char_class_reward(prompts, last, char_class)
 
 
@@ -66,7 +71,7 @@ def build_task(data: str | None = None, split: str = "train") -> Task:
         raise ValueError("the lookup task makes its own data; drop --dataset or pick another --task")
     return Task(
         name="lookup",
-        description="write the characters a tool names: a multi-turn tool task the tiny model learns on a CPU",
+        description="write the characters a tool names: a multi-turn tool task the tiny model plays on a CPU",
         load=lookup_examples,
         reward_funcs=["tandemrl.tasks.lookup:last_turn_class_reward", "tandemrl.tasks.calculator:tool_use"],
         reward_weights=[1.0, 0.2],

@@ -35,3 +35,4 @@ def test_a_turn_with_a_call_mark_calls_hint_and_the_tool_answers_with_the_rows_c
 def test_the_reward_reads_the_last_assistant_turn_only():
     called = [{"role": "assistant", "content": "#"}, {"role": "tool", "content": "digits"}, {"role": "assistant", "content": "12a4"}]
     assert last_turn_class_reward([None, None], [called, [{"role": "assistant", "content": "AB"}]], char_class=["digits", "uppercase"]) == [0.75, 1.0]
+    assert last_turn_class_reward([None], ["ab"], char_class=["lowercase"]) == [1.0]  # single-turn: the text itself

@@ -33,10 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sync import QWEN25_05B, TINY, save_model, start_server  # noqa: E402
+from sync import SHAPES, save_model, start_server  # noqa: E402
 
-QWEN25_15B = {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12}
-SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "tiny": TINY}
 
 
 class LengthTokenizer:

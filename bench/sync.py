@@ -1,15 +1,21 @@
-"""Weight-sync time and GB/s into a real `tandem rollout` server, for a Qwen2.5-0.5B-shaped model
-(config written here, random weights). On a GPU the default transport is CUDA IPC (trainer and server
-on the one GPU); `--server_gpu 1 --transport nccl` puts the server on a second GPU and measures NCCL;
-`--device cpu --transport gloo --shape tiny` checks the script anywhere.
+"""Weight-sync time and GB/s into a real `tandem rollout` server, for Qwen2.5-0.5B and 1.5B shapes (configs
+written here from the real models', random bf16 weights): what `tandem train --rollout_mode server`
+publishes through (DistributedSync), from the first byte to every server's answer that the version is live.
 
-Prints one JSON line per sync and a summary line: `sync <transport>: <median s> s, <GB/s> GB/s`.
+    python bench/sync.py --transport ipc                    # one GPU: trainer and server share it (CUDA IPC)
+    python bench/sync.py --transport nccl                   # two GPUs: the server on cuda:1
+    python bench/sync.py --device cpu --transport gloo --shapes tiny   # anywhere: checks the script
+
+Prints one JSON line per sync, then one per shape: warm median seconds, GB/s, the bar of issue 13
+(NCCL >= 150 GB/s on two H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's
+own send time, and whether the server's greedy tokens equal the trainer's after the last sync.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -25,7 +31,10 @@ QWEN25_05B = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
     max_position_embeddings=32768, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
 )
+QWEN25_15B = {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
+SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "tiny": TINY}
+BARS_GBPS = {"nccl": 150.0, "ipc": 300.0}  # issue 13, part 6
 
 
 def save_model(path: str, shape: dict, dtype: torch.dtype) -> None:
@@ -61,18 +70,21 @@ def start_server(
     raise RuntimeError(f"server exited with {proc.wait()}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--transport", default="auto", help="auto (ipc on one GPU, nccl across two), ipc, gloo, nccl")
-    parser.add_argument("--server_gpu", type=int, default=None, help="the server's physical GPU (1: NCCL from the trainer's GPU 0)")
-    parser.add_argument("--bucket_mb", type=float, default=256)
-    parser.add_argument("--num_syncs", type=int, default=5)
-    parser.add_argument("--backend", default="engine")
-    parser.add_argument("--server_args", default="--gpu_memory_utilization 0.3")
-    args = parser.parse_args()
+def timed(call, seconds: list[float]):
+    """`call`, appending the seconds each call takes to `seconds`."""
 
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tandemrl.generation.base import RemoteConfig
@@ -81,42 +93,66 @@ def main() -> None:
     from tandemrl.weights.base import DistributedSyncConfig
     from tandemrl.weights.distributed import DistributedSync
 
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    server_device = args.server_device or ("cuda:1" if args.transport == "nccl" and args.server_gpu is None else args.device)
     with tempfile.TemporaryDirectory() as model_dir:
-        save_model(model_dir, QWEN25_05B if args.shape == "0.5b" else TINY, dtype)
-        server, url = start_server(model_dir, args.device, args.backend, args.server_args.split(), gpu=args.server_gpu)
+        save_model(model_dir, SHAPES[shape], dtype)
+        server, url = start_server(model_dir, server_device, args.backend, args.server_args.split(), gpu=args.server_gpu)
         try:
             trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
             num_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
             client = RolloutClient(RemoteConfig(urls=(url,), rollout_server_timeout=600))
             config = DistributedSyncConfig(weight_sync_port=0, weight_sync_backend=args.transport, weight_sync_bucket_mb=args.bucket_mb)
             sync = DistributedSync(config, client)  # what `tandem train --rollout_mode server` publishes through
+            send_s: list[float] = []
+            sync.sender.send = timed(sync.sender.send, send_s)
             times = []
             for version in range(1, args.num_syncs + 1):
                 with torch.no_grad():
                     trainer.model.norm.weight.add_(1.0)  # a new policy each time
-                torch.cuda.synchronize() if args.device == "cuda" else None
+                torch.cuda.synchronize() if args.device.startswith("cuda") else None
                 start = time.perf_counter()
                 asyncio.run(sync.publish(trainer.named_parameters(), version=version))
-                seconds = time.perf_counter() - start
-                times.append(seconds)
-                ready = client.readiness()[0]
-                assert ready["policy_version"] == version, ready
-                print(json.dumps({"bench": "sync", "shape": args.shape, "transport": args.transport, "version": version,
-                                  "bytes": num_bytes, "seconds": round(seconds, 4), "GB/s": round(num_bytes / seconds / 1e9, 2)}))
-            warm = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-            print(f"sync {args.transport} {args.shape} {num_bytes / 1e9:.2f} GB: first {times[0]:.3f} s (forms the group), "
-                  f"warm median {warm:.3f} s, {num_bytes / warm / 1e9:.2f} GB/s")
+                times.append(time.perf_counter() - start)
+                assert client.readiness()[0]["policy_version"] == version
+                print(json.dumps({"bench": "sync", "shape": shape, "transport": args.transport, "version": version, "bytes": num_bytes,
+                                  "seconds": round(times[-1], 5), "send_s": round(send_s[-1], 5), "GB/s": round(num_bytes / times[-1] / 1e9, 2)}))
             prompt_ids = list(range(100, 116))
             served = client.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
             with torch.no_grad():
                 local = trainer.generate(torch.tensor([prompt_ids], device=args.device), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 16:].tolist()
-            same = next((i for i, (a, b) in enumerate(zip(served, local)) if a != b), len(local))
-            print(json.dumps({"bench": "sync", "check": "server greedy vs trainer greedy after the last sync", "same_prefix_tokens": same, "of": len(local)}))
             client.close()
         finally:
             server.terminate()
             server.wait(30)
+    warm = sorted(times[1:] or times)
+    warm_s, send = warm[len(warm) // 2], sorted(send_s[1:] or send_s)[len(send_s[1:] or send_s) // 2]
+    bar = BARS_GBPS.get(args.transport)
+    summary = {"bench": "sync", "shape": shape, "transport": args.transport, "GB": round(num_bytes / 1e9, 3), "first_s": round(times[0], 4),
+               "warm_median_s": round(warm_s, 5), "GB/s": round(num_bytes / warm_s / 1e9, 1), "send_median_s": round(send, 5),
+               "bar_GB/s": bar, "vs_bar": round(num_bytes / warm_s / 1e9 / bar, 3) if bar else None,
+               "greedy_same_prefix": next((i for i, (a, b) in enumerate(zip(served, local)) if a != b), len(local)), "of": len(local)}
+    print(json.dumps(summary))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="0.5b,1.5b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--device", default="cuda", help="the trainer's device")
+    parser.add_argument("--transport", default="ipc", choices=["ipc", "nccl", "gloo", "auto"])
+    parser.add_argument("--server_device", default="", help="the server's --device (default: cuda:1 for nccl, else the trainer's)")
+    parser.add_argument("--server_gpu", type=int, default=None, help="instead: pin the server to this physical GPU (CUDA_VISIBLE_DEVICES)")
+    parser.add_argument("--bucket_mb", type=float, default=256)
+    parser.add_argument("--num_syncs", type=int, default=6)
+    parser.add_argument("--backend", default="engine")
+    parser.add_argument("--server_args", default="--gpu_memory_utilization 0.3")
+    args = parser.parse_args()
+    summaries = [bench_shape(shape, args) for shape in args.shapes.split(",")]
+    for s in summaries:
+        print(f"sync {s['transport']} {s['shape']} {s['GB']:.2f} GB: warm median {s['warm_median_s']:.4f} s, {s['GB/s']:.1f} GB/s"
+              + (f", {s['vs_bar']:.2f}x the bar of {s['bar_GB/s']:.0f} GB/s" if s["bar_GB/s"] else "")
+              + f"; greedy {s['greedy_same_prefix']}/{s['of']} tokens equal the trainer's")
 
 
 if __name__ == "__main__":

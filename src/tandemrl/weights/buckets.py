@@ -1,64 +1,101 @@
-"""The wire format of weight sync: named tensors flattened into uint8 buckets, by Hugging Face name.
+"""The wire format of weight sync: named tensors laid out in flat uint8 windows, by Hugging Face name.
 
-Invariant: every tensor starts at an ALIGN-byte offset of its bucket, so `unpack_bucket` returns views
-of any dtype without copying.
+A window is what one metadata message describes: its tensors' names, dtypes, shapes and byte offsets,
+and its buckets, the byte ranges that travel one collective each. An update is one window unless the
+trainer streams more than `window_bytes`.
+
+Invariant: every tensor starts at an ALIGN-byte offset of its window (and a bucket at a tensor's start),
+so `unpack` returns views of any dtype without copying.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-ALIGN = 64  # bytes: every tensor starts aligned in its bucket, so `view(dtype)` is legal for any dtype
+ALIGN = 64  # bytes: every tensor starts aligned in its window, so `view(dtype)` is legal for any dtype
 Named = list[tuple[str, "Tensor"]]
 
 
-def pack_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int, device: torch.device | None = None) -> Iterator[tuple[list[dict], Tensor]]:
-    """Flattens named tensors into uint8 buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+@dataclass(kw_only=True, slots=True)
+class Window:
+    """One metadata message's worth of tensors, as both sides see it (written by `plan_windows` alone)."""
 
-    Example: [("a", float32[2]), ("b", float32[1])], 1 MB -> one bucket:
-      [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0}, {..., "name": "b", "offset": 64}], uint8[68]
+    tensors: list[dict[str, Any]]  # {name, dtype, shape, offset}: offset in bytes from the window's start
+    buckets: list[tuple[int, int, int, int]]  # (start byte, end byte, first tensor, end tensor): one collective each
+    num_bytes: int
+    last: bool  # no window follows in this update
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "buckets": self.buckets, "num_bytes": self.num_bytes, "last": self.last}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Window:
+        return cls(tensors=data["tensors"], buckets=[tuple(b) for b in data["buckets"]], num_bytes=data["num_bytes"], last=data["last"])
+
+
+def plan_windows(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int, window_bytes: int) -> Iterator[tuple[Window, list[Tensor]]]:
+    """Lays named tensors out in windows of at most `window_bytes`, cut into buckets of at most
+    `bucket_bytes` (a bigger tensor goes alone). Holds references to one window's tensors at a time.
+
+    Example: [("a", float32[2]), ("b", float32[1])], bucket 64 B, window 1 MB -> one window, two buckets:
+      tensors [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0}, {..."b", "offset": 64}],
+      buckets [(0, 8, 0, 1), (64, 68, 1, 2)], num_bytes 68, last True
     """
-    items: Named = []
-    end = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        start = end + (-end % ALIGN)
-        if items and start + nbytes > bucket_bytes:
-            yield _flatten(items, device)
-            items, start = [], 0
-        items.append((name, tensor.detach()))
-        end = start + nbytes
-    if items:
-        yield _flatten(items, device)
+    stream = iter(weights)
+    pending = next(stream, None)
+    while pending is not None:
+        meta: list[dict[str, Any]] = []
+        tensors: list[Tensor] = []
+        buckets: list[tuple[int, int, int, int]] = []
+        start = end = first = 0
+        while pending is not None:
+            name, tensor = pending
+            num_bytes = tensor.numel() * tensor.element_size()
+            offset = end + (-end % ALIGN)
+            if tensors and offset + num_bytes > window_bytes:
+                break
+            if tensors and offset + num_bytes - start > bucket_bytes:
+                buckets.append((start, end, first, len(tensors)))
+                start, first = offset, len(tensors)
+            meta.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset})
+            tensors.append(tensor.detach())
+            end = offset + num_bytes
+            pending = next(stream, None)
+        buckets.append((start, end, first, len(tensors)))
+        yield Window(tensors=meta, buckets=buckets, num_bytes=end, last=pending is None), tensors
 
 
-def _flatten(items: Named, device: torch.device | None) -> tuple[list[dict], Tensor]:
-    meta, offset = [], 0
-    for name, tensor in items:
-        offset += -offset % ALIGN
-        meta.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset})
-        offset += tensor.numel() * tensor.element_size()
-    flat = torch.empty(offset, dtype=torch.uint8, device=device or items[0][1].device)  # [bytes]
-    for m, (_, tensor) in zip(meta, items):
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        flat[m["offset"] : m["offset"] + data.numel()].copy_(data)
-    return meta, flat
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
 
 
-def unpack_bucket(meta: list[dict], flat: Tensor) -> Named:
-    """The named tensors of one bucket, as views into `flat` (the inverse of `_flatten`)."""
+def views(metas: list[dict[str, Any]], flat: Tensor, base: int = 0) -> list[Tensor]:
+    """Each tensor of `metas` as a view into `flat`, which holds the window's bytes from `base` on."""
     out = []
-    for m in meta:
-        dtype = getattr(torch, m["dtype"])
-        assert isinstance(dtype, torch.dtype), m["dtype"]
-        nbytes = math.prod(m["shape"]) * dtype.itemsize
-        out.append((m["name"], flat[m["offset"] : m["offset"] + nbytes].view(dtype).view(m["shape"])))
+    for m in metas:
+        dtype = _dtype(m["dtype"])
+        start = m["offset"] - base
+        out.append(flat[start : start + math.prod(m["shape"]) * dtype.itemsize].view(dtype).view(m["shape"]))
     return out
 
+
+def pack(window: Window, tensors: list[Tensor], flat: Tensor, bucket: int | None = None) -> None:
+    """Copies the window's tensors (or one bucket's) into `flat` (the window's bytes, or that bucket's)."""
+    start, first, end = (0, 0, len(tensors)) if bucket is None else (window.buckets[bucket][0], *window.buckets[bucket][2:])
+    if end > first:
+        torch._foreach_copy_(views(window.tensors[first:end], flat, start), tensors[first:end])
+
+
+def unpack(window: Window, flat: Tensor) -> Named:
+    """The named tensors of a window, as views into `flat` (the inverse of `pack`)."""
+    return [(m["name"], t) for m, t in zip(window.tensors, views(window.tensors, flat))]

@@ -12,13 +12,16 @@ version; after a failure the group is dropped and the next publish forms a new o
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import socket
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from tandemrl.threads import in_daemon_thread
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
 from tandemrl.weights.group import WeightSender
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from tandemrl.generation.remote import RolloutClient
 
 log = logging.getLogger(__name__)
+JOIN_SLACK_S = 5.0  # past the group's own timeout, the trainer stops waiting for torch's rendezvous
 
 
 class DistributedSync:
@@ -55,7 +59,7 @@ class DistributedSync:
             raise RuntimeError(f"weight sync of version {version} to {', '.join(self.client.urls)} failed: {error}") from error
 
     async def close(self) -> None:
-        self.sender.close()
+        await asyncio.to_thread(self.sender.close)
 
     def transport(self, sample: Tensor, infos: list[dict[str, Any]]) -> str:
         """auto: gloo for CPU weights, CUDA IPC when every server shares the trainer's GPU, else nccl."""
@@ -70,8 +74,9 @@ class DistributedSync:
         master_addr = self.config.weight_sync_host or local_address_to(self.client.urls[0])
         specs = self.sender.plan(num_servers=len(self.client.urls), transport=transport, master_addr=master_addr)
         joins = asyncio.ensure_future(self.client.join_weight_group(specs, timeout_s=self.config.weight_sync_timeout_s + 10))
-        try:
-            await asyncio.to_thread(self.sender.connect, sample.device)
+        try:  # a server that dies while NCCL connects can hold torch's rendezvous past its timeout: bounded here
+            connect = in_daemon_thread(functools.partial(self.sender.connect, sample.device), name="weight-sync-connect")
+            await asyncio.wait_for(connect, self.config.weight_sync_timeout_s + JOIN_SLACK_S)
             await joins
         except Exception as error:
             joins.cancel()
@@ -79,13 +84,24 @@ class DistributedSync:
         log.info("weight-sync group %s formed with %d server(s) over %s", self.sender.group_id, len(self.client.urls), transport)
 
     async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Broadcasts every bucket while each server receives, then waits for each to make `version` live."""
+        """Sends every window while each server receives, then waits for each to make `version` live. A
+        server that fails (its answer an error, or its connection gone) stops the send at once."""
         body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id}
         updates = asyncio.ensure_future(self.client.announce_update(body, timeout_s=self.config.weight_sync_timeout_s))
+        cancel = threading.Event()
+        send = asyncio.ensure_future(asyncio.to_thread(self.sender.send, weights, cancel=cancel))
         try:
-            await asyncio.to_thread(self.sender.send, weights)
+            await asyncio.wait({send, updates}, return_when=asyncio.FIRST_EXCEPTION)
+            if updates.done() and updates.exception() is not None:
+                cancel.set()
+                await asyncio.wait({send})
+                if not send.cancelled():
+                    send.exception()  # retrieved: the server's answer is the error to raise
+                updates.result()
+            await send
             await updates
         finally:
+            cancel.set()
             updates.cancel()
 
 

@@ -1,23 +1,33 @@
-"""The weight-sync group: trainer rank 0 broadcasts buckets (buckets.py) to the rollout servers over a
-torch.distributed group (gloo on CPU, NCCL across GPUs, CUDA IPC handles over a gloo group when both
-sit on one GPU). WeightSender is the trainer's side, WeightReceiver a server's.
+"""The weight-sync group: trainer rank 0 pushes windows (buckets.py) to the rollout servers. Metadata
+and end marks travel over a gloo group (CPU); payload over NCCL across GPUs, over gloo on CPU, or, on
+one shared GPU, by CUDA IPC: the trainer writes straight into each server's staging buffer.
+WeightSender is the trainer's side, WeightReceiver a server's.
 
-Invariants: every collective has a deadline (--weight_sync_timeout_s), so a dead peer is an error,
-never a hang; a receiver returns every tensor of an update or raises, never a part. Groups are built
+Wire of one window, all from rank 0: the metadata (one JSON message: names, dtypes, shapes, offsets,
+buckets); then nccl/gloo: one broadcast per bucket, the trainer packing bucket k+1 while bucket k is on
+the wire (two buffers); ipc: the servers' buffer handles gathered, the trainer writes the window into
+each; then the end mark (gloo). An update is windows until one marked last.
+
+Invariants: every collective has a deadline (--weight_sync_timeout_s of no progress), and no thread
+ever blocks inside an NCCL wait: completion is polled, so a dead peer is an error within the deadline
+(at once where the gloo end mark sees the peer's socket close), never a hang, and no CUDA stream is
+made to wait on a kernel that may never end. A receiver returns every tensor of an update or raises,
+never a part. A group is torn down in a daemon thread of its own: an NCCL communicator with a dead peer
+can take long to abort, and that must never block a caller (a server's event loop). Groups are built
 from a TCPStore directly (no default process group), so they coexist with the trainer's FSDP group and
-an engine's tensor-parallel group, and can be re-formed when a server restarts.
-
-Wire of one bucket, broadcast from rank 0: header int64[2] = (meta bytes, payload bytes), (0, 0) ends
-the update; meta = UTF-8 JSON {"tensors": [{name, dtype, shape, offset}], "ipc": handle?}; payload =
-uint8[payload bytes] (absent for ipc: the server maps the trainer's bucket, then all ranks barrier).
+an engine's tensor-parallel group, and are re-formed when a server restarts.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import logging
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -28,12 +38,17 @@ import torch.distributed as dist
 
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.buckets import Named, pack_buckets, unpack_bucket
+from tandemrl.weights.buckets import Named, Window, pack, plan_windows, unpack
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+POLL_S = 5e-5  # between completion checks of a collective in flight
+META_HEAD_BYTES = 64 * 1024  # the first metadata broadcast's fixed size (a 1.5B model's metadata is ~35 KB)
+HANDLE_BYTES = 4096  # a server's CUDA IPC handle, JSON, padded
+WINDOW_BUCKETS = 16  # a window spans at most this many buckets' bytes: what the trainer holds of a lazy producer
 
 
 NCCL_GROUP_ENV = {
@@ -67,48 +82,105 @@ def nccl_errors_raise() -> Iterator[None]:
 
 
 class _Group:
-    """One process group whose every collective waits at most `timeout_s`."""
+    """A gloo control group and the payload group (the same one unless NCCL) of one group id."""
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, transport: str, timeout_s: float, device: torch.device):
         self.transport = transport
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
-        self.device = device if transport == "nccl" else torch.device("cpu")  # where wire tensors live
+        self.device = device if transport == "nccl" else torch.device("cpu")  # where payload buffers live
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, self.timeout)
+        self.payload = self.control
         if transport == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             with nccl_errors_raise():
-                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+                self.payload = dist.ProcessGroupNCCL(dist.PrefixStore("payload", store), rank, world_size, options)
+            self.finish([self.broadcast(torch.zeros(1, device=device))])  # connects NCCL now, not inside the first update
 
-    def broadcast(self, tensor: Tensor) -> None:
+    # --- collectives (root: the trainer) ---------------------------------------------------------------
+    def broadcast(self, tensor: Tensor, *, group: Any = None) -> dist.Work:
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        return (group or self.payload).broadcast([tensor], options)
+
+    def finish(self, works: Iterable[dist.Work], *, watch: dist.Work | None = None, cancel: threading.Event | None = None) -> None:
+        """Returns once every work completed, polling: raises a work's error, TimeoutError after
+        timeout_s without progress, the watch's error as soon as it fails (a gloo op whose peer died),
+        or ConnectionError once `cancel` is set."""
+        pending, last = collections.deque(works), time.monotonic()
         try:
-            self.pg.broadcast([tensor], options).wait(self.timeout)
+            while pending:
+                if pending[0].is_completed():
+                    pending.popleft().wait(self.timeout)  # raises the collective's error, else returns at once
+                    last = time.monotonic()
+                    continue
+                if watch is not None and watch.is_completed():
+                    watch.wait(self.timeout)
+                    watch = None
+                if cancel is not None and cancel.is_set():
+                    raise ConnectionError("cancelled: a server failed the update")
+                if time.monotonic() - last > self.timeout_s:
+                    raise TimeoutError(f"no progress for {self.timeout_s:g} s (a peer died or stalled)")
+                time.sleep(POLL_S)
         except BaseException:
-            self.abort()
+            pending.clear()  # the works die in this thread, not wherever the traceback is dropped (an event loop)
+            if isinstance(works, (list, collections.deque)):
+                works.clear()
             raise
 
-    def abort(self) -> None:
-        """Frees an NCCL communicator stuck on a dead peer (a broken group is never reused)."""
-        abort = getattr(self.pg, "abort", None) if self.transport == "nccl" else None
-        if abort is not None:
-            try:
-                abort()
-            except Exception as error:  # noqa: BLE001 - the collective's own error is the one to raise
-                log.warning("aborting the weight-sync NCCL group failed: %s", error)
+    def send_meta(self, meta: dict[str, Any]) -> None:
+        data = json.dumps(meta).encode()
+        head = torch.zeros(META_HEAD_BYTES, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        head[8 : 8 + len(data)] = torch.frombuffer(bytearray(data[: META_HEAD_BYTES - 8]), dtype=torch.uint8)
+        self.finish([self.broadcast(head, group=self.control)])
+        if len(data) > META_HEAD_BYTES - 8:
+            self.finish([self.broadcast(torch.frombuffer(bytearray(data[META_HEAD_BYTES - 8 :]), dtype=torch.uint8), group=self.control)])
 
-    def barrier(self) -> None:
-        self.pg.barrier(dist.BarrierOptions()).wait(self.timeout)
+    def recv_meta(self) -> dict[str, Any]:
+        head = torch.zeros(META_HEAD_BYTES, dtype=torch.uint8)
+        self.finish([self.broadcast(head, group=self.control)])
+        size = int(head[:8].view(torch.int64))
+        data = head[8 : 8 + size].numpy().tobytes()
+        if size > META_HEAD_BYTES - 8:
+            rest = torch.zeros(size - (META_HEAD_BYTES - 8), dtype=torch.uint8)
+            self.finish([self.broadcast(rest, group=self.control)])
+            data += rest.numpy().tobytes()
+        return json.loads(data)
 
-    def send_bytes(self, data: bytes) -> None:
-        self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+    def end_mark(self) -> dist.Work:
+        """The window's end mark (gloo): the trainer posts it once its payload is out, a server before
+        receiving, so that a dead trainer fails it at once."""
+        return self.broadcast(torch.zeros(1, dtype=torch.int64), group=self.control)
 
-    def recv_bytes(self, num_bytes: int) -> bytes:
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        self.broadcast(buffer)
-        return buffer.cpu().numpy().tobytes()
+    def gather_handles(self, handle: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Every server's IPC handle (the trainer gives None)."""
+        data = json.dumps(handle).encode()
+        mine = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.zeros(HANDLE_BYTES, dtype=torch.uint8) for _ in range(self.control.size())]
+        self.finish([self.control.allgather([everyone], [mine])])
+        return [json.loads(t.numpy().tobytes().rstrip(b"\0")) for t in everyone[1:]]
+
+    # --- teardown ---------------------------------------------------------------------------------------
+    def close(self) -> threading.Thread:
+        """Aborts (NCCL) and releases the process groups in a daemon thread, returned: only a process about
+        to exit waits for it (torch's threads must be joined before the interpreter tears down)."""
+        groups = [g for g in dict.fromkeys([self.payload, self.control]) if g is not None]
+        self.payload = self.control = None
+        thread = threading.Thread(target=_release, args=(groups, self.transport == "nccl"), name="weight-sync-release", daemon=True)
+        thread.start()
+        return thread
+
+
+def _release(groups: list[Any], abort: bool) -> None:
+    if abort:
+        try:
+            groups[0].abort()
+        except Exception as error:  # noqa: BLE001 - nothing waits for this thread; the group is dropped anyway
+            log.warning("aborting a weight-sync NCCL group failed: %s", error)
+    groups.clear()  # the destructors (which join torch's watchdog thread) run here, not in the caller
 
 
 class WeightSender:
@@ -121,6 +193,9 @@ class WeightSender:
         self._group: _Group | None = None
         self._world_size = 0
         self._transport = ""
+        self._buffers: list[Tensor | None] = [None, None]  # the two bucket buffers packing alternates between
+        self._mapped: dict[str, Tensor] = {}  # servers' IPC buffers opened in this process, by handle
+        self._releasing: list[threading.Thread] = []  # groups being torn down (close() waits for them)
 
     def plan(self, *, num_servers: int, transport: str, master_addr: str) -> list[dict[str, Any]]:
         """Starts a new group; returns what each server must be told to join it (ranks 1..N)."""
@@ -150,36 +225,65 @@ class WeightSender:
             store, rank=0, world_size=self._world_size, transport=self._transport, timeout_s=self.config.weight_sync_timeout_s, device=device
         )
 
-    def send(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[int, int]:
-        """Broadcasts every tensor, bucket by bucket, then the end mark. Returns (tensors, bytes)."""
+    def send(self, weights: Iterable[tuple[str, Tensor]], *, cancel: threading.Event | None = None) -> tuple[int, int]:
+        """Pushes every tensor, window by window; setting `cancel` (from another thread) makes it raise
+        soon after. Returns (tensors, bytes)."""
         group = self._group
         assert group is not None, "send() before connect()"
         bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
-        wire_device = None if group.transport == "ipc" else group.device
         num_tensors = num_bytes = 0
-        for meta, flat in pack_buckets(weights, bucket_bytes, wire_device):
-            header: dict[str, Any] = {"tensors": meta}
+        for window, tensors in plan_windows(weights, bucket_bytes, WINDOW_BUCKETS * bucket_bytes):
+            group.send_meta(window.to_json())
             if group.transport == "ipc":
-                torch.cuda.current_stream(flat.device).synchronize()
-                header["ipc"] = ipc.share(flat)
-            data = json.dumps(header).encode()
-            payload = 0 if group.transport == "ipc" else flat.numel()
-            group.broadcast(torch.tensor([len(data), payload], dtype=torch.int64, device=group.device))
-            group.send_bytes(data)
-            if group.transport == "ipc":
-                group.barrier()  # every server copied the bucket: its memory may be reused
+                self._write_ipc(group, window, tensors)
             else:
-                group.broadcast(flat)
-            num_tensors, num_bytes = num_tensors + len(meta), num_bytes + flat.numel()
-        group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+                self._broadcast_buckets(group, window, tensors, cancel)
+            group.finish([group.end_mark()], cancel=cancel)
+            num_tensors, num_bytes = num_tensors + len(tensors), num_bytes + window.num_bytes
         return num_tensors, num_bytes
 
-    def close_group(self) -> None:
-        self._group = None
-        self.group_id = None
+    def _broadcast_buckets(self, group: _Group, window: Window, tensors: list[Tensor], cancel: threading.Event | None) -> None:
+        """One broadcast per bucket; bucket k+1 is packed into the other buffer while bucket k travels."""
+        in_flight: collections.deque[dist.Work] = collections.deque()
+        for k, (start, end, _, _) in enumerate(window.buckets):
+            if len(in_flight) == 2:
+                group.finish([in_flight.popleft()], cancel=cancel)  # bucket k-2 left buffer k % 2
+            buffer = self._buffer(k % 2, end - start, group.device)
+            pack(window, tensors, buffer, bucket=k)
+            in_flight.append(group.broadcast(buffer))
+        group.finish(in_flight, cancel=cancel)
 
-    def close(self) -> None:
+    def _buffer(self, index: int, num_bytes: int, device: torch.device) -> Tensor:
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < num_bytes or buffer.device != device:
+            self._buffers[index] = buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        return buffer[:num_bytes]
+
+    def _write_ipc(self, group: _Group, window: Window, tensors: list[Tensor]) -> None:
+        """Writes the window straight into every server's staging buffer (one GPU: no byte is copied twice)."""
+        device = tensors[0].device
+        for handle in group.gather_handles(None):
+            key = json.dumps(handle, sort_keys=True)
+            if key not in self._mapped:
+                self._mapped[key] = ipc.open_shared(handle, device)
+            pack(window, tensors, self._mapped[key][: window.num_bytes])
+        torch.cuda.current_stream(device).synchronize()  # written before the end mark tells the servers so
+
+    def close_group(self) -> None:
+        self._releasing = [t for t in self._releasing if t.is_alive()]
+        if self._group is not None:
+            self._releasing.append(self._group.close())
+        self._group, self.group_id = None, None
+        self._mapped.clear()
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Drops the group and the store; waits up to `wait_s` for groups still being torn down."""
         self.close_group()
+        deadline = time.monotonic() + wait_s
+        for thread in self._releasing:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._releasing = [t for t in self._releasing if t.is_alive()]
+        self._buffers = [None, None]
         self._store = None
 
 
@@ -190,6 +294,7 @@ class WeightReceiver:
         self.device = device
         self.group_id: str | None = None
         self._group: _Group | None = None
+        self._ipc_buffers: list[tuple[Tensor, dict[str, Any]]] = []  # per window: a staging buffer the trainer writes, its handle
 
     def join(self, spec: dict[str, Any]) -> None:
         """Blocks until the trainer and every other server joined (or the deadline passed)."""
@@ -216,25 +321,40 @@ class WeightReceiver:
         assert group is not None, "receive() outside a group"
         staging: Named = []
         try:
-            while True:
-                header = torch.zeros(2, dtype=torch.int64, device=group.device)
-                group.broadcast(header)
-                meta_len, payload_len = header.tolist()
-                if meta_len == 0:
-                    return staging
-                meta = json.loads(group.recv_bytes(meta_len))
-                if group.transport == "ipc":
-                    flat = ipc.open_shared(meta["ipc"], self.device).clone()
-                    torch.cuda.current_stream(self.device).synchronize()
-                    group.barrier()
-                else:
-                    flat = torch.empty(payload_len, dtype=torch.uint8, device=group.device)
-                    group.broadcast(flat)
-                staging += unpack_bucket(meta["tensors"], flat)
+            for index in itertools.count():
+                window = Window.from_json(group.recv_meta())
+                flat = self._receive_ipc(group, window, index) if group.transport == "ipc" else self._receive_buckets(group, window)
+                staging += unpack(window, flat)
+                if window.last:
+                    break
         except BaseException:
             self.close()
             raise
+        return staging
+
+    def _receive_buckets(self, group: _Group, window: Window) -> Tensor:
+        flat = torch.empty(window.num_bytes, dtype=torch.uint8, device=group.device)  # [bytes]
+        if group.payload is group.control:  # gloo: one group, so the end mark keeps its place in line
+            group.finish([group.broadcast(flat[start:end]) for start, end, _, _ in window.buckets])
+            group.finish([group.end_mark()])
+            return flat
+        end_mark = group.end_mark()  # fails at once if the trainer dies while the payload is on the wire
+        group.finish([group.broadcast(flat[start:end]) for start, end, _, _ in window.buckets], watch=end_mark)
+        group.finish([end_mark])
+        return flat
+
+    def _receive_ipc(self, group: _Group, window: Window, index: int) -> Tensor:
+        if index == len(self._ipc_buffers) or self._ipc_buffers[index][0].numel() < window.num_bytes:
+            buffer = torch.empty(window.num_bytes, dtype=torch.uint8, device=self.device)
+            self._ipc_buffers[index : index + 1] = [(buffer, ipc.share(buffer))]
+        buffer, handle = self._ipc_buffers[index]
+        torch.cuda.synchronize(self.device)  # the last update's apply has read this buffer: the trainer may write it
+        group.gather_handles(handle)
+        group.finish([group.end_mark()])
+        return buffer[: window.num_bytes]
 
     def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self._group = None
         self.group_id = None

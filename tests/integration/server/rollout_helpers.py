@@ -61,8 +61,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
+    def get(self, path: str, timeout: float = 30, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=timeout, **kw)
 
     def post(self, path: str, json: dict, **kw) -> httpx.Response:
         return httpx.post(self.url + path, json=json, timeout=60, **kw)
@@ -157,35 +157,45 @@ def weights():
     yield from named[len(named) // 2 :]
 
 client = RolloutClient(RemoteConfig(urls=({url!r},)))
-push(client, weights(), version=1, config=sync(backend={backend!r}))
+push(client, weights(), version={version}, config=sync(backend={backend!r}))
 """
 
 
 def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir: str, *, device: str = "cpu", backend: str = "auto",
-                                            env: dict[str, str] | None = None, deadline_s: float = 30) -> None:
-    """A trainer process pushes half of version 1 and is killed: within the sync's deadline the server
-    logs it, keeps version 0 and its weights (staging dropped), leaves the group and serves."""
+                                            env: dict[str, str] | None = None, deadline_s: float = 10) -> None:
+    """A trainer process pushes half of an update and is killed: /health and /ready answer within a
+    second all along; well within the sync's deadline (30 s) the server logs it, keeps its version and
+    weights (staging dropped), leaves the group and serves; then a new trainer's update goes live."""
     prompt_ids = tokenizer.encode("steady")
     body = {"prompt_ids": prompt_ids, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    version = server.get("/ready").json()["policy_version"]
     before = server.post("/generate", body).json()["results"][0]["token_ids"]
-    script = TRAINER.format(here=os.path.dirname(__file__), model=model_dir, url=server.url, device=device, backend=backend)
+    script = TRAINER.format(here=os.path.dirname(__file__), model=model_dir, url=server.url, device=device, backend=backend, version=version + 1)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert trainer.stdout.readline().strip() == "HALF"
-    assert server.get("/ready").json()["update_in_progress"]
+    assert server.get("/ready", timeout=1).json()["update_in_progress"]
     trainer.kill()
     trainer.wait(10)
-    deadline = time.monotonic() + deadline_s
-    while server.get("/ready").json()["update_in_progress"] and time.monotonic() < deadline:
+    killed = time.monotonic()
+    while server.get("/ready", timeout=1).json()["update_in_progress"] and time.monotonic() < killed + deadline_s:
+        server.get("/health", timeout=1)
         time.sleep(0.1)
     assert server.proc.poll() is None, "the server died with its trainer:\n" + server.log_text()[-3000:]
-    ready = server.get("/ready").json()
-    assert not ready["update_in_progress"] and ready["policy_version"] == 0 and ready["weight_group"] is None
-    assert "weight sync to version 1 failed" in server.log_text() and "keeping version 0" in server.log_text()
+    ready = server.get("/ready", timeout=1).json()
+    assert not ready["update_in_progress"] and ready["policy_version"] == version and ready["weight_group"] is None, ready
+    assert f"weight sync to version {version + 1} failed" in server.log_text() and f"keeping version {version}" in server.log_text()
     after = server.post("/generate", body).json()["results"][0]
-    assert after["token_ids"] == before and after["policy_versions"] == [0] * 8
+    assert after["token_ids"] == before and after["policy_versions"] == [version] * 8
+    client = RolloutClient(RemoteConfig(urls=(server.url,)))  # a new trainer: forms a new group, its update goes live
+    try:
+        named = [(n, p.detach().to(device)) for n, p in trainer_model(model_dir, 7).named_parameters()]
+        push(client, named, version=version + 1, config=sync(backend=backend))
+        assert client.readiness()[0]["policy_version"] == version + 1
+    finally:
+        client.close()
 
 
-def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, device: str = "cpu", backend: str = "auto", deadline_s: float = 30) -> None:
+def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, device: str = "cpu", backend: str = "auto", deadline_s: float = 10) -> None:
     """This process pushes half of version 1 and the server is killed: within the sync's deadline the
     push raises one clear error (and this process is still alive to see it)."""
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=20))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
 
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.buckets import pack_buckets, unpack_bucket
+from tandemrl.weights.buckets import Window, pack, plan_windows, unpack
 from tandemrl.weights.group import WeightReceiver, WeightSender
 
 
@@ -28,15 +29,21 @@ def named_tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize("bucket_bytes", [1, 256, 1 << 20])
-def test_buckets_round_trip_every_dtype_shape_and_layout(bucket_bytes):
-    original = named_tensors()
-    buckets = list(pack_buckets(original, bucket_bytes))
-    assert len(buckets) == {1: len(original), 256: 3, 1 << 20: 1}[bucket_bytes]  # 256: [a b c] [d] [e f g]
-    for meta, flat in buckets:
-        assert flat.dtype == torch.uint8 and flat.numel() <= max(bucket_bytes, max(t.numel() * t.element_size() for _, t in original))
-        assert all(m["offset"] % 64 == 0 for m in meta)
-    got = [item for meta, flat in buckets for item in unpack_bucket(meta, flat)]
+@pytest.mark.parametrize(("bucket_bytes", "window_bytes", "num_windows", "num_buckets"), [(1, 1, 8, 8), (256, 1 << 20, 1, 3), (256, 512, 3, 3), (1 << 20, 1 << 20, 1, 1)])
+def test_windows_round_trip_every_dtype_shape_and_layout(bucket_bytes, window_bytes, num_windows, num_buckets):
+    original = [*named_tensors(), ("h.empty", torch.zeros(0))]
+    windows = list(plan_windows(original, bucket_bytes, window_bytes))
+    assert len(windows) == num_windows and sum(len(w.buckets) for w, _ in windows) == num_buckets  # 256: [a b c] [d] [e f g h]
+    assert [w.last for w, _ in windows] == [False] * (num_windows - 1) + [True]
+    got = []
+    for window, tensors in windows:
+        assert all(m["offset"] % 64 == 0 for m in window.tensors) and window.num_bytes <= max(window_bytes, 1200)
+        flat = torch.zeros(window.num_bytes, dtype=torch.uint8)
+        for k, (start, end, _, _) in enumerate(window.buckets):  # bucket by bucket, as over the wire
+            bucket = torch.zeros(end - start, dtype=torch.uint8)
+            pack(window, tensors, bucket, bucket=k)
+            flat[start:end] = bucket
+        got += unpack(Window.from_json(json.loads(json.dumps(window.to_json()))), flat)
     assert [n for n, _ in got] == [n for n, _ in original]
     for (_, want), (_, have) in zip(original, got):
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
@@ -73,19 +80,20 @@ def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update
     def receive() -> None:
         try:
             out.append(receiver.receive())
-        except RuntimeError as error:
+        except (RuntimeError, OSError) as error:
             out.append(error)
 
     thread = threading.Thread(target=receive)
     thread.start()
-    group = sender._group  # send some buckets, never the end mark: the receiver's next collective passes its deadline
-    for meta, flat in pack_buckets(named_tensors()[:3], 64):
-        data = json.dumps({"tensors": meta}).encode()
-        group.broadcast(torch.tensor([len(data), flat.numel()], dtype=torch.int64))
-        group.send_bytes(data)
-        group.broadcast(flat)
+    group = sender._group  # the metadata and one bucket of three, never the rest: the receiver's next collective passes its deadline
+    window, tensors = next(plan_windows(named_tensors(), 256, 1 << 20))
+    group.send_meta(window.to_json())
+    start, end, _, _ = window.buckets[0]
+    bucket = torch.zeros(end - start, dtype=torch.uint8)
+    pack(window, tensors, bucket, bucket=0)
+    group.finish([group.broadcast(bucket)])
     thread.join(30)
-    assert not thread.is_alive() and isinstance(out[0], RuntimeError)
+    assert not thread.is_alive() and isinstance(out[0], TimeoutError) and "no progress for 2 s" in str(out[0])
     assert receiver.group_id is None  # the broken group is dropped; the trainer re-forms it
 
 
@@ -105,20 +113,50 @@ def test_nccl_groups_are_built_to_survive_a_dead_peer_and_the_process_settings_a
     assert all(os.environ.get(name) == preset for name in NCCL_GROUP_ENV)
 
 
-def test_a_failed_nccl_collective_aborts_its_communicator_then_raises():
+def test_a_group_is_torn_down_in_a_thread_of_its_own_so_a_stuck_nccl_abort_never_blocks_the_caller():
     from tandemrl.weights.group import _Group
 
-    class StuckPG:
-        aborted = False
+    aborted, stuck = threading.Event(), threading.Event()
 
-        def broadcast(self, tensors, options):
-            raise RuntimeError("Watchdog caught collective operation timeout")
-
+    class StuckPG:  # ncclCommAbort with a dead peer may never return
         def abort(self):
-            StuckPG.aborted = True
+            aborted.set()
+            stuck.wait(30)
 
     group = object.__new__(_Group)
-    group.transport, group.timeout, group.pg = "nccl", None, StuckPG()
-    with pytest.raises(RuntimeError, match="timeout"):
-        group.broadcast(torch.zeros(2))
-    assert StuckPG.aborted
+    group.transport, group.payload, group.control = "nccl", StuckPG(), StuckPG()
+    start = time.monotonic()
+    group.close()
+    assert time.monotonic() - start < 0.5 and group.payload is None and group.control is None
+    assert aborted.wait(5)  # the communicator is aborted all the same
+    stuck.set()
+
+
+def test_a_collective_that_makes_no_progress_is_a_timeout_and_a_failed_watch_ends_the_wait_at_once():
+    from tandemrl.weights.group import _Group
+
+    class Work:
+        def __init__(self, error=None, done=False):
+            self.error, self.done = error, done
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self, timeout):
+            if self.error:
+                raise self.error
+
+    group = object.__new__(_Group)
+    group.timeout_s, group.timeout = 0.3, None
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no progress"):
+        group.finish([Work()])
+    assert 0.3 <= time.monotonic() - start < 2
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        group.finish([Work()], watch=Work(RuntimeError("Connection closed by peer"), done=True))
+    assert time.monotonic() - start < 0.2
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(ConnectionError, match="cancelled"):
+        group.finish([Work()], cancel=cancel)

@@ -4,6 +4,7 @@ perturbed policy and its local greedy output, a weight-sync config for tests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -145,25 +146,45 @@ def push(client: RolloutClient, weights: Iterable, *, version: int, config: Dist
 TRAINER = """
 import sys, time
 sys.path.insert(0, {here!r})
-from rollout_helpers import push, sync, trainer_model
+from rollout_helpers import push, stall_at_second_bucket, sync, trainer_model
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote import RolloutClient
 
-def weights():
-    named = [(n, p.detach().to({device!r})) for n, p in trainer_model({model!r}, 7).named_parameters()]
-    yield from named[: len(named) // 2]
+def stall():
     print("HALF", flush=True)
     time.sleep(600)
-    yield from named[len(named) // 2 :]
 
+named = [(n, p.detach().to({device!r})) for n, p in trainer_model({model!r}, 7).named_parameters()]
 client = RolloutClient(RemoteConfig(urls=({url!r},)))
-push(client, weights(), version={version}, config=sync(backend={backend!r}))
+with stall_at_second_bucket(stall):
+    push(client, named, version={version}, config=sync(backend={backend!r}))
 """
+
+
+@contextlib.contextmanager
+def stall_at_second_bucket(stall: Callable[[], None]) -> Iterator[None]:
+    """Calls `stall` in the sender before it packs the second bucket of an update: the metadata and the
+    first bucket are out, the server waits inside the payload's collectives (mid-NCCL-sync on GPUs)."""
+    from tandemrl.weights import group
+
+    real, calls = group.pack, []
+
+    def pack(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            stall()
+        return real(*args, **kwargs)
+
+    group.pack = pack
+    try:
+        yield
+    finally:
+        group.pack = real
 
 
 def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir: str, *, device: str = "cpu", backend: str = "auto",
                                             env: dict[str, str] | None = None, deadline_s: float = 10) -> None:
-    """A trainer process pushes half of an update and is killed: /health and /ready answer within a
+    """A trainer process stalls mid-update (the metadata and one bucket out) and is killed: /health and /ready answer within a
     second all along; well within the sync's deadline (30 s) the server logs it, keeps its version and
     weights (staging dropped), leaves the group and serves; then a new trainer's update goes live."""
     prompt_ids = tokenizer.encode("steady")
@@ -196,35 +217,33 @@ def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir
 
 
 def kill_server_mid_sync_then_check_trainer(server: Server, model_dir: str, *, device: str = "cpu", backend: str = "auto", deadline_s: float = 10) -> None:
-    """This process pushes half of version 1 and the server is killed: within the sync's deadline the
+    """This process stalls mid-update (the metadata and one bucket out) and the server is killed: within the sync's deadline the
     push raises one clear error (and this process is still alive to see it)."""
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=20))
     halfway, resume = threading.Event(), threading.Event()
     errors: list[BaseException] = []
+    named = [(n, p.detach().to(device)) for n, p in trainer_model(model_dir, 6).named_parameters()]
 
-    def weights():
-        named = [(n, p.detach().to(device)) for n, p in trainer_model(model_dir, 6).named_parameters()]
-        yield from named[: len(named) // 2]
+    def stall() -> None:
         halfway.set()
         resume.wait(60)
-        yield from named[len(named) // 2 :]
 
     def push_half() -> None:
         try:
-            push(client, weights(), version=1, config=sync(backend=backend))
+            push(client, named, version=1, config=sync(backend=backend))
         except BaseException as error:  # noqa: BLE001 - handed to the test thread
             errors.append(error)
 
     try:
-        pusher = threading.Thread(target=push_half)
-        pusher.start()
-        assert halfway.wait(120)
-        server.kill()
-        start = time.monotonic()
-        resume.set()
-        pusher.join(deadline_s + 30)
+        with stall_at_second_bucket(stall):
+            pusher = threading.Thread(target=push_half)
+            pusher.start()
+            assert halfway.wait(120)
+            server.kill()
+            start = time.monotonic()
+            resume.set()
+            pusher.join(deadline_s + 30)
         assert not pusher.is_alive() and time.monotonic() - start < deadline_s
         assert isinstance(errors[0], RuntimeError) and "weight sync of version 1 to " in str(errors[0]) and " failed: " in str(errors[0])
     finally:
         client.close()
-

@@ -1,0 +1,33 @@
+"""Weight sync by CUDA IPC: the trainer (this process) and a real `tandem rollout` share one GPU, and the
+trainer writes each update straight into the server's staging buffer (reused across updates, so the
+second and third updates go through buffers mapped by the first). The update lands whole, bumps the
+version, and the server's greedy tokens equal the trainer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import GREEDY, local_greedy, push, start_server, sync, trainer_model
+
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote import RolloutClient
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_ipc_updates_make_server_greedy_equal_trainer_greedy_and_bump_the_version(tiny_model_dir, tiny_tokenizer):
+    server = start_server(tiny_model_dir, "--dtype", "float32", backend="engine", device="cuda", env={"CUDA_VISIBLE_DEVICES": "0"}, timeout_s=180)
+    client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=120))
+    try:
+        prompt_ids = tiny_tokenizer.encode("hello")
+        for version, seed in ((1, 11), (2, 12), (3, 11)):  # 3 re-sends 1's weights: nothing of 2 may remain
+            model = trainer_model(tiny_model_dir, seed)
+            push(client, [(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()], version=version, config=sync())  # auto: one GPU -> ipc
+            assert client.readiness()[0]["policy_version"] == version
+            served = client.generate(prompt_ids, GREEDY)
+            assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
+            assert served.policy_versions == [version] * len(served.token_ids)
+        assert "(ipc)" in server.log_text()
+    finally:
+        client.close()
+        server.stop()

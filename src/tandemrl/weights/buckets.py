@@ -92,8 +92,12 @@ def views(metas: list[dict[str, Any]], flat: Tensor, base: int = 0) -> list[Tens
 def pack(window: Window, tensors: list[Tensor], flat: Tensor, bucket: int | None = None) -> None:
     """Copies the window's tensors (or one bucket's) into `flat` (the window's bytes, or that bucket's)."""
     start, first, end = (0, 0, len(tensors)) if bucket is None else (window.buckets[bucket][0], *window.buckets[bucket][2:])
-    if end > first:
-        torch._foreach_copy_(views(window.tensors[first:end], flat, start), tensors[first:end])
+    targets = views(window.tensors[first:end], flat, start)
+    if targets and flat.is_cuda:  # one launch for the bucket; on CPU torch's foreach copy is erratic (engine/models/llama.py)
+        torch._foreach_copy_(targets, tensors[first:end])
+    else:
+        for target, tensor in zip(targets, tensors[first:end]):
+            target.copy_(tensor)
 
 
 def unpack(window: Window, flat: Tensor) -> Named:

@@ -150,7 +150,11 @@ class RolloutClient:
 
     async def _post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
         async def one(url: str) -> Any:
-            return json_or_raise(url, await self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s))
+            try:
+                response = await self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s)
+            except httpx.TransportError as error:  # e.g. the server died during a weight update: say which one
+                raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
+            return json_or_raise(url, response)
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
 

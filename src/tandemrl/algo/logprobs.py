@@ -6,15 +6,20 @@ function (linear + log-softmax + gather, the Liger / "cut cross-entropy" trade o
 forward keeps only its inputs and each row's log-sum-exp; backward recomputes a chunk's logits, turns
 them into the gradient of the logits, and multiplies it into the gradients of the hidden states and of
 the head's weight. Matmuls run in the weight's dtype (bf16 on the GPU path); logits, softmax and the
-weight's gradient accumulate in float32.
+weight's gradient accumulate in float32. On CUDA with --triton_logprobs, a chunk's row statistics and its
+logits' gradient are single-pass Triton kernels over the raw logits (algo/logprobs_kernel.py); the torch
+path (compiled on CUDA) is the reference and the CPU path.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
@@ -54,9 +59,11 @@ def _row_stats(logits: Tensor, target_ids: Tensor, with_entropy: bool) -> tuple[
 
 
 def _logits_grad(
-    logits: Tensor, lse: Tensor, target_ids: Tensor, grad: Tensor, entropy: Tensor, grad_entropy: Tensor, temperature: float
+    logits: Tensor, lse: Tensor, target_ids: Tensor, grad: Tensor, entropy: Tensor, grad_entropy: Tensor, temperature: float,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """d(sum_i grad_i * logprob_i + grad_entropy_i * entropy_i) / d(raw logits), float32 [C, V].
+    """d(sum_i grad_i * logprob_i + grad_entropy_i * entropy_i) / d(raw logits), computed in float32 and
+    returned in `dtype` (the head weight's: the cast fuses into the same pass) [C, V].
 
     With z = logits / T and p = softmax(z): d logprob / dz = onehot(target) - p and
     d entropy / dz = -p (z - E_p[z]), E_p[z] = lse - entropy; both divided by T for the raw logits.
@@ -64,7 +71,8 @@ def _logits_grad(
     probs = torch.exp(logits - lse.unsqueeze(-1))  # [C, V]
     out = probs * (-grad.unsqueeze(-1) - grad_entropy.unsqueeze(-1) * (logits - (lse - entropy).unsqueeze(-1)))
     out.scatter_add_(-1, target_ids.unsqueeze(-1), grad.unsqueeze(-1))
-    return out / temperature if temperature != 1.0 else out
+    out = out / temperature if temperature != 1.0 else out
+    return out.to(dtype)
 
 
 @functools.cache
@@ -78,11 +86,67 @@ def _maybe_compiled(fn, tensor: Tensor):
 
 
 _COMPILE = [True]  # the trainer switches it off with --torch_compile false
+_TRITON = [False]  # the trainer switches it on with --triton_logprobs
 
 
 def set_compile(enabled: bool) -> None:
     """Whether the head's elementwise parts run compiled on CUDA (a process-wide choice, made once)."""
     _COMPILE[0] = enabled
+
+
+def set_triton(enabled: bool) -> None:
+    """Whether the head's row statistics and logits gradient run as Triton kernels on CUDA (where triton
+    imports; else the torch path runs). A process-wide choice, made once."""
+    _TRITON[0] = enabled
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("--triton_logprobs: triton is not installed; the logprob head runs its torch path")
+        return False
+    return True
+
+
+def _use_triton(tensor: Tensor) -> bool:
+    return tensor.is_cuda and _TRITON[0] and _triton_installed()
+
+
+def _chunk_stats(hidden: Tensor):
+    """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy) -> (lse, logprobs, entropy) [C]."""
+    if _use_triton(hidden):
+        from tandemrl.algo.logprobs_kernel import row_stats
+
+        def kernel(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
+            return row_stats(_mm_f32(rows, weight.t()), target_ids, temperature, with_entropy)
+
+        return kernel
+    stats = _maybe_compiled(_row_stats, hidden)
+
+    def torch_path(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
+        return stats(_logits(rows, weight, temperature), target_ids, with_entropy)
+
+    return torch_path
+
+
+def _chunk_logits_grad(hidden: Tensor):
+    """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature) ->
+    the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`)."""
+    if _use_triton(hidden):
+        from tandemrl.algo.logprobs_kernel import logits_grad
+
+        def kernel(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
+            return logits_grad(_mm_f32(rows, weight.t()), *per_row, temperature, weight.dtype)
+
+        return kernel
+    grad_fn = _maybe_compiled(_logits_grad, hidden)
+
+    def torch_path(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
+        return grad_fn(_logits(rows, weight, temperature), *per_row, temperature, weight.dtype)
+
+    return torch_path
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -91,11 +155,10 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy):  # noqa: ANN001
         logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
-        stats = _maybe_compiled(_row_stats, hidden)
+        stats = _chunk_stats(hidden)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _logits(hidden[rows], weight, temperature)  # [C, V]
-            lse[rows], logprobs[rows], entropy[rows] = stats(logits, target_ids[rows], with_entropy)
+            lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy)
         ctx.save_for_backward(hidden, weight, target_ids, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if not with_entropy:
@@ -109,18 +172,17 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_logprobs = torch.zeros_like(lse)
         if grad_entropy is None:
             grad_entropy = torch.zeros_like(lse)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_hidden = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None  # contiguous: mm writes its rows
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        logits_grad = _maybe_compiled(_logits_grad, hidden)
+        logits_grad = _chunk_logits_grad(hidden)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            logits = _logits(hidden[rows], weight, ctx.temperature)  # [C, V]
             grad = logits_grad(
-                logits, lse[rows], target_ids[rows], grad_logprobs[rows].float(), entropy[rows], grad_entropy[rows].float(), ctx.temperature
-            )
-            grad = grad.to(weight.dtype)  # [C, V]
+                hidden[rows], weight, lse[rows], target_ids[rows], grad_logprobs[rows].float(), entropy[rows],
+                grad_entropy[rows].float(), temperature=ctx.temperature,
+            )  # [C, V] in the weight's dtype
             if grad_hidden is not None:
-                grad_hidden[rows] = grad @ weight  # [C, H]
+                torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]
             if grad_weight is not None:
                 grad_weight += _mm_f32(grad.t(), hidden[rows])  # [V, H], float32 across chunks
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None

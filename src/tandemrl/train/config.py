@@ -36,6 +36,9 @@ class TrainerConfig:
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab (2048 x 152k: 1.2 GB)."""
     torch_compile: bool = True
     """On a GPU, torch.compile each decoder layer and the logprob head (the first steps pay the compile time)."""
+    triton_logprobs: bool = False
+    """On a GPU with triton installed, the logprob head's per-row statistics (log-sum-exp, logprob, entropy)
+    and its logits' gradient run as single-pass Triton kernels instead of the (compiled) torch path."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.algo.logprobs import logprobs_and_entropy, set_compile
+from tandemrl.algo.logprobs import logprobs_and_entropy, set_compile, set_triton
 from tandemrl.train.attention import layout, use_packed_attention
 from tandemrl.train.batching import PackedBatch
 from tandemrl.train.config import TrainerConfig
@@ -111,6 +111,7 @@ def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -
         mixed=mixed,
     )
     set_compile(plan.compile)
+    set_triton(on_cuda and config.triton_logprobs)
     if dp.enabled:  # FSDP2's mixed precision replaces the compute twin
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()

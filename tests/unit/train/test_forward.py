@@ -109,7 +109,7 @@ def test_compute_weights_accumulate_gradients_in_float32_and_refresh_once_per_ve
     first = master.weight.grad.clone()
     twin.model(2 * x).sum().backward()
     twin.accumulate()
-    assert master.weight.grad.dtype == torch.float32 and not twin.model.weight.grad.any()  # cleared once added
+    assert master.weight.grad.dtype == torch.float32 and twin.model.weight.grad is None  # dropped once added
     torch.testing.assert_close(master.weight.grad, first * 3)  # d/dW of sum(W x) + sum(W 2x)
     with torch.no_grad():
         master.weight.add_(1.0)
@@ -117,3 +117,26 @@ def test_compute_weights_accumulate_gradients_in_float32_and_refresh_once_per_ve
     assert not torch.equal(twin.model.weight.float(), master.weight.bfloat16().float())
     twin.refresh(1)
     assert torch.equal(twin.model.weight, master.weight.bfloat16())
+
+
+def test_compute_weights_sum_each_micro_batch_gradient_exactly_as_float32_adds():
+    """Bit for bit: the master gradient is the float32 sum of each micro-batch's bfloat16 gradient (a tied
+    embedding/head summed in bfloat16 within a backward, as autograd does), whatever moves it there."""
+    tokenizer = build_tokenizer()
+    master = build_model(tokenizer, seed=5)
+    twin = ComputeWeights(master, torch.bfloat16)
+    plain = copy.deepcopy(twin.model)  # same bfloat16 weights, gradients left to autograd alone
+    twin.refresh(0)
+    twin.zero_grad()
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in master.parameters()]
+    for seed in range(3):
+        ids = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(seed))
+        twin.model(input_ids=ids).logits.float().square().mean().backward()
+        twin.accumulate()
+        plain.zero_grad(set_to_none=True)
+        plain(input_ids=ids).logits.float().square().mean().backward()
+        for total, p in zip(expected, plain.parameters()):
+            total.add_(p.grad)
+    assert all(p.grad is None for p in twin.model.parameters())
+    for (name, p), total in zip(master.named_parameters(), expected):
+        assert torch.equal(p.grad, total), name

@@ -1,0 +1,75 @@
+"""The fused head's Triton kernels against its torch path: values and gradients, in triton's interpreter
+on CPU (skipped where triton is not installed, as in CI) or on a GPU where there is one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+pytest.importorskip("triton")
+
+from tandemrl.algo import logprobs as head  # noqa: E402
+from tandemrl.algo.logprobs_kernel import logits_grad, row_stats  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _logits(rows=5, vocab=9000, seed=0):
+    # wider than a tile (4096) and not a multiple of one, with a few large logits, as a trained head has
+    generator = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(rows, vocab, generator=generator)
+    logits[:, 17] += 25.0
+    target_ids = torch.randint(vocab, (rows,), generator=generator)
+    target_ids[0] = 17
+    return logits.to(DEVICE), target_ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_stats_kernel_equals_the_torch_path(temperature):
+    logits, target_ids = _logits()
+    ours = row_stats(logits, target_ids, temperature, True)
+    # against float64: one pass sums E_p[z] more exactly than softmax * logits (entropy = lse - E_p[z] cancels)
+    reference = [x.float() for x in head._row_stats(logits.double() / temperature, target_ids, True)]
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    lse, logprobs, entropy = row_stats(logits, target_ids, temperature, False)
+    torch.testing.assert_close(logprobs, reference[1], atol=2e-5, rtol=1e-5)
+    assert not entropy.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_grad_kernel_equals_the_torch_path(dtype):
+    logits, target_ids = _logits()
+    lse, _, entropy = head._row_stats(logits / 0.7, target_ids, True)
+    generator = torch.Generator().manual_seed(1)
+    grad, grad_entropy = (torch.randn(len(lse), generator=generator).to(DEVICE) for _ in range(2))
+    ours = logits_grad(logits, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
+    reference = head._logits_grad(logits / 0.7, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
+    assert ours.dtype == dtype
+    tolerance = dict(atol=1e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(ours, reference, **tolerance)
+
+
+def test_head_through_the_kernels_equals_the_torch_head_in_value_and_gradient(monkeypatch):
+    """logprobs_and_entropy end to end (forward, backward of logprobs and entropy, several chunks)."""
+    generator = torch.Generator().manual_seed(2)
+    lm_head = torch.nn.Linear(16, 5000, bias=False).to(DEVICE)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(5000, 16, generator=generator))
+    hidden = torch.randn(11, 16, generator=generator).to(DEVICE).requires_grad_()
+    target_ids = torch.randint(5000, (11,), generator=generator).to(DEVICE)
+    coefficients = torch.linspace(-1, 1, 11, device=DEVICE)
+    results = []
+    for triton in (False, True):
+        monkeypatch.setattr(head, "_use_triton", lambda tensor, on=triton: on)
+        monkeypatch.setattr(head, "_COMPILE", [False])
+        logprobs, entropy = head.logprobs_and_entropy(hidden, lm_head, target_ids, temperature=0.8, chunk_size=4)
+        (coefficients * logprobs + 0.1 * entropy).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), hidden.grad, lm_head.weight.grad))
+        hidden.grad, lm_head.weight.grad = None, None
+    for ours, reference in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)

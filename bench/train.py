@@ -12,6 +12,7 @@ model. `--full_step` also runs `tandem train` end to end on the same workload (a
 to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step time split.
 
     python bench/train.py --models 0.5b,1.5b --full_step
+    python bench/train.py --models 0.5b --variants ';triton_logprobs=true'   # ours twice: defaults, Triton head
 """
 
 from __future__ import annotations
@@ -96,16 +97,29 @@ def timed(step, *, warmup: int, steps: int) -> tuple[float, float, float]:
     return first, (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_ours(shape: str, budget: int, chunk: int, args) -> dict:
+def parse_variant(text: str) -> dict:
+    """'triton_logprobs=true,logprob_chunk_size=1024' -> {'triton_logprobs': True, 'logprob_chunk_size': 1024}."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=", 1)
+        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit() else value)
+    return options
+
+
+def run_ours(shape: str, budget: int, chunk: int, args, variant: dict | None = None) -> dict | None:
+    """None when this tree's TrainerConfig lacks a field of `variant` (an older tree in an A/B)."""
     from tandemrl.algo.presets import AlgoConfig
     from tandemrl.train.config import TrainerConfig
     from tandemrl.train.trainer import Trainer
 
     import dataclasses
 
-    model = build_model(shape)
     fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+    if not set(variant or {}) <= fields:
+        return None
+    model = build_model(shape)
     options = {"torch_compile": not args.no_compile} if "torch_compile" in fields else {}  # older trees as they were
+    options.update(variant or {})
     if chunk:
         options["logprob_chunk_size"] = chunk
     if budget or "torch_compile" in fields:
@@ -165,6 +179,8 @@ def run_baseline_that_fits(shape: str, args) -> dict:
     """Padded micro-batches of 64 sequences; where full logits of 64 do not fit (1.5B), of 32."""
     import gc
 
+    if args.baseline_micro_batch != 64:
+        return run_baseline(shape, args, args.baseline_micro_batch)
     try:
         return run_baseline(shape, args, 64)
     except torch.OutOfMemoryError:
@@ -225,6 +241,11 @@ def main() -> None:
     parser.add_argument("--only", default="ours,baseline")
     parser.add_argument("--budgets", default="0", help="ours' --max_tokens_per_microbatch values (0 = auto)")
     parser.add_argument("--chunks", default="0", help="ours' --logprob_chunk_size values (0 = the default)")
+    parser.add_argument(
+        "--variants", default="", help="';'-separated TrainerConfig overrides, one run of ours each, e.g. ';triton_logprobs=true' "
+        "(the defaults, then the Triton head); a tree without such a field skips that run"
+    )  # fmt: skip
+    parser.add_argument("--baseline_micro_batch", type=int, default=64, help="sequences per baseline micro-batch (32 if 64 runs out of memory)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no_compile", action="store_true")
@@ -238,16 +259,24 @@ def main() -> None:
         flops = model_flops(build_model(shape, device="meta"), num_tokens, PROMPT + COMPLETION)
         results = {}
         for system in [s for s in args.only.split(",") if s]:
-            configs = [(int(b), int(c)) for b in args.budgets.split(",") for c in args.chunks.split(",")]
-            for budget, chunk in configs if system == "ours" else [(None, None)]:
-                out = run_ours(shape, budget, chunk, args) if system == "ours" else run_baseline_that_fits(shape, args)
+            configs = [(int(b), int(c), v) for b in args.budgets.split(",") for c in args.chunks.split(",") for v in args.variants.split(";")]
+            for budget, chunk, variant in configs if system == "ours" else [(None, None, "")]:
+                name = f"{system} {variant}".strip()
+                if system == "ours":
+                    out = run_ours(shape, budget, chunk, args, parse_variant(variant))
+                else:
+                    out = run_baseline_that_fits(shape, args)
+                if out is None:
+                    print(json.dumps({"model": shape, "system": name, "skipped": "this tree's TrainerConfig lacks the field"}), flush=True)
+                    continue
                 out.update(tokens_per_s=round(num_tokens / out["seconds"]), mfu=round(flops / out["seconds"] / PEAK_FLOPS, 3))
                 out["seconds"], out["peak_gib"] = round(out["seconds"], 3), round(out["peak_gib"], 2)
-                print(json.dumps({"model": shape, "system": system, "budget": budget, **out}), flush=True)
-                results.setdefault(system, out)
-        if "ours" in results and "baseline" in results:
-            ratio = results["baseline"]["seconds"] / results["ours"]["seconds"]
-            print(f"ratio {shape} train phase: ours {results['ours']['seconds']:.3f} s vs baseline {results['baseline']['seconds']:.3f} s = {ratio:.2f}x", flush=True)
+                print(json.dumps({"model": shape, "system": name, "budget": budget, **out}), flush=True)
+                results.setdefault(name, out)
+        baseline = results.pop("baseline", None)
+        for name, out in results.items() if baseline else ():
+            ratio = baseline["seconds"] / out["seconds"]
+            print(f"ratio {shape} train phase: {name} {out['seconds']:.3f} s vs baseline {baseline['seconds']:.3f} s = {ratio:.2f}x", flush=True)
         if args.full_step:
             print(json.dumps({"model": shape, "system": "tandem train", **full_step(shape, args)}), flush=True)
 

@@ -29,6 +29,35 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return (a @ b).float()
 
 
+def _add_mm_f32(out: Tensor, a: Tensor, b: Tensor, *, in_matmul: bool) -> None:
+    """out += a @ b, out float32. in_matmul (16-bit CUDA inputs, where torch allows it): the sum happens
+    inside the matmul (cuBLAS beta = 1), with no float32 temporary of out's size and no separate add."""
+    if in_matmul and a.dtype != torch.float32 and a.is_cuda and _baddbmm_accumulates():
+        _add_mm_f32_in_matmul(out, a, b)
+    else:
+        out += _mm_f32(a, b)
+
+
+def _add_mm_f32_in_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
+    torch.baddbmm(out[None], a[None], b[None], out_dtype=torch.float32, out=out[None])
+
+
+@functools.cache
+def _baddbmm_accumulates() -> bool:
+    """baddbmm(out, a, b, out_dtype=float32, out=out) on 16-bit CUDA inputs adds a @ b into float32 out
+    (checked once on small tensors, so a torch without it, or with other semantics, takes the plain path)."""
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        grad = torch.randn(8, 6, device="cuda", generator=generator).bfloat16()  # as the head's [C, V]
+        hidden = torch.randn(8, 4, device="cuda", generator=generator).bfloat16()  # [C, H]
+        out = torch.randn(6, 4, device="cuda", generator=generator)  # [V, H]
+        expected = out + grad.float().t() @ hidden.float()
+        _add_mm_f32_in_matmul(out, grad.t(), hidden)
+        return torch.allclose(out, expected, atol=1e-4)
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
     """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V]."""
     logits = _mm_f32(hidden, weight.t())  # [C, V]
@@ -183,8 +212,8 @@ class _LinearLogprobs(torch.autograd.Function):
             )  # [C, V] in the weight's dtype
             if grad_hidden is not None:
                 torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]
-            if grad_weight is not None:
-                grad_weight += _mm_f32(grad.t(), hidden[rows])  # [V, H], float32 across chunks
+            if grad_weight is not None:  # [V, H], float32 across chunks
+                _add_mm_f32(grad_weight, grad.t(), hidden[rows], in_matmul=_use_triton(hidden))
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 

@@ -38,7 +38,8 @@ class TrainerConfig:
     """On a GPU, torch.compile each decoder layer and the logprob head (the first steps pay the compile time)."""
     triton_logprobs: bool = False
     """On a GPU with triton installed, the logprob head's per-row statistics (log-sum-exp, logprob, entropy)
-    and its logits' gradient run as single-pass Triton kernels instead of the (compiled) torch path."""
+    and its logits' gradient run as single-pass Triton kernels instead of the (compiled) torch path, and
+    its weight's float32 gradient accumulates inside the matmul."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

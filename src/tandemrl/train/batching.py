@@ -9,7 +9,9 @@ attention_mask=None and use_cache=False, transformers then attends block-diagona
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,21 +96,61 @@ def pack(traces: list[TokenTrace], advantages: list[float], device: torch.device
     mask = column("loss_mask", np.bool_, False)  # [N]
     # counts and layouts known here on the host, so the training loop never waits on the device for them
     trained = np.flatnonzero(mask)  # [T]
-    on_device = lambda array, dtype: torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)  # noqa: E731
-    behaviour = on_device(column("logprobs", np.float32, 0.0), torch.float32)  # [N]
+    on_device = functools.partial(_to_device, device=torch.device(device) if device is not None else None)
+    behaviour = on_device(column("logprobs", np.float32, 0.0), np.float32)  # [N]
     return PackedBatch(
-        input_ids=on_device(ids, torch.long).unsqueeze(0),
-        position_ids=on_device(positions, torch.long).unsqueeze(0),
-        target_ids=on_device(column("token_ids", np.int64, 0), torch.long),
-        loss_mask=on_device(mask, torch.bool),
+        input_ids=on_device(ids, np.int64).unsqueeze(0),
+        position_ids=on_device(positions, np.int64).unsqueeze(0),
+        target_ids=on_device(column("token_ids", np.int64, 0), np.int64),
+        loss_mask=on_device(mask, np.bool_),
         old_logprobs=behaviour.clone(),
         behaviour_logprobs=behaviour,
-        advantages=on_device(np.repeat(np.asarray(advantages, dtype=np.float32), lengths), torch.float32),
-        seq_index=on_device(seq, torch.long),
-        policy_versions=on_device(column("policy_versions", np.int64, -1), torch.long),
-        trained_index=on_device(trained, torch.long),
-        cu_seqlens=on_device(np.concatenate([[0], ends]), torch.int32),
+        advantages=on_device(np.repeat(np.asarray(advantages, dtype=np.float32), lengths), np.float32),
+        seq_index=on_device(seq, np.int64),
+        policy_versions=on_device(column("policy_versions", np.int64, -1), np.int64),
+        trained_index=on_device(trained, np.int64),
+        cu_seqlens=on_device(np.concatenate([[0], ends]), np.int32),
         max_seqlen=int(lengths.max(initial=0)),
         num_sequences=len(traces),
         num_trained_tokens=len(trained),
     )
+
+
+def _to_device(array: np.ndarray, dtype: type, device: torch.device | None) -> Tensor:
+    """The array as a tensor of `dtype` on `device`. To a GPU through pinned memory without waiting: a
+    copy from pageable memory would block the host until the device had run everything queued before it."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+    if device is None or device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def num_trained_targets(trace: TokenTrace) -> int:
+    """The trained positions `pack` gives `trace`: a sampled token after the first (the first has no context).
+
+    Example: loss_mask [T, F, T, T] -> 2
+    """
+    mask = trace.loss_mask
+    return mask.count(True) - bool(mask and mask[0])
+
+
+class MicroBatches(Sequence[PackedBatch]):
+    """The step's micro-batches (`plan` over `traces`), each packed when first used, and kept: the host
+    packs micro-batch i + 1 while the device still runs micro-batch i. Their trained-token count is known
+    without packing."""
+
+    def __init__(self, traces: list[TokenTrace], advantages: list[float], plan: list[list[int]], device: torch.device) -> None:
+        self._traces, self._advantages, self._plan, self._device = traces, advantages, plan, device
+        self._packed: list[PackedBatch | None] = [None] * len(plan)
+        self.num_trained_tokens = sum(num_trained_targets(traces[i]) for idx in plan for i in idx)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, index: int) -> PackedBatch:  # type: ignore[override]
+        if self._packed[index] is None:
+            idx = self._plan[index]
+            self._packed[index] = pack([self._traces[i] for i in idx], [self._advantages[i] for i in idx], self._device)
+        return self._packed[index]

@@ -24,7 +24,7 @@ import torch
 
 from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, logprob_mismatch_kl, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
-from tandemrl.train.batching import PackedBatch, pack, plan_microbatches
+from tandemrl.train.batching import MicroBatches, PackedBatch, pack, plan_microbatches
 from tandemrl.train.config import OffloadConfig, TrainerConfig
 from tandemrl.train.distributed import (
     SINGLE, DataParallel, full_state_dict, full_tensor, load_full_state_dict, load_optimizer, load_whole_optimizer,
@@ -81,8 +81,8 @@ class Trainer:
         advantages = [a for g in groups for a in g.advantages]
         budget = microbatch_budget(self.config, self.model, self.device)
         plan = plan_microbatches([len(t.token_ids) for t in traces], budget)
-        micro = [pack([traces[i] for i in idx], [advantages[i] for i in idx], self.device) for idx in plan]
-        num_tokens = self.dp.sum(sum(m.num_trained_tokens for m in micro))  # trained tokens of every rank
+        micro = MicroBatches(traces, advantages, plan, self.device)  # packed as the loop reaches each
+        num_tokens = self.dp.sum(micro.num_trained_tokens)  # trained tokens of every rank
         if num_tokens == 0:
             return {"train/num_trained_tokens": 0.0}
         counts = dict(num_sequences=sum(len(g.rollouts) for g in batch.groups), num_tokens=num_tokens)
@@ -112,7 +112,7 @@ class Trainer:
         """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged)."""
         return merged_weights(self.model) if is_lora(self.model) else self.model.named_parameters()
 
-    def _optimizer_step(self, micro: list[PackedBatch], ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
+    def _optimizer_step(self, micro: MicroBatches, ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
         model = self.plan.forward_model(self.model, self.policy_version)
         model.train()
         self.plan.zero_grad(self.optimizer)

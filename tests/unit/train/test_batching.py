@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tandemrl.algo.logprobs import logprobs_and_entropy
-from tandemrl.train.batching import pack, plan_microbatches
+from tandemrl.train.batching import MicroBatches, pack, plan_microbatches
 from tandemrl.types import Completion, TokenTrace
 
 T, F = True, False
@@ -48,6 +48,29 @@ def test_old_logprobs_is_a_copy_the_trainer_may_overwrite():
     batch = pack([_trace([1], ([2], [-0.3], 0))], [1.0])
     batch.old_logprobs[0] = -9.0
     assert batch.behaviour_logprobs[0].item() == pytest.approx(-0.3)
+
+
+def test_pack_keeps_every_field_dtype():
+    batch = pack([_trace([5], ([6, 7], [-0.1, -0.2], 3))], [1.0])
+    dtypes = {name: getattr(batch, name).dtype for name in ("input_ids", "position_ids", "target_ids", "seq_index", "policy_versions", "trained_index")}
+    assert set(dtypes.values()) == {torch.long}, dtypes
+    assert (batch.loss_mask.dtype, batch.cu_seqlens.dtype) == (torch.bool, torch.int32)
+    assert batch.old_logprobs.dtype == batch.behaviour_logprobs.dtype == batch.advantages.dtype == torch.float32
+
+
+def test_micro_batches_pack_when_first_used_and_count_trained_tokens_without_packing(monkeypatch):
+    traces = [_trace([5], ([6, 7], [-0.1, -0.2], 3)), _trace([8, 9], ([10], [-0.5], 4), [11]), _trace([1], ([2], [-0.3], 0))]
+    traces[2].loss_mask[0] = True  # a first token is never trained, whatever its mask says
+    plan = [[0, 2], [1]]
+    packed = []
+    monkeypatch.setattr("tandemrl.train.batching.pack", lambda *args: packed.append(args) or pack(*args))
+    micro = MicroBatches(traces, [1.0, -2.0, 0.5], plan, torch.device("cpu"))
+    assert micro.num_trained_tokens == 4 and not packed
+    assert micro[1].input_ids.tolist() == [[8, 9, 10, 11]] and len(packed) == 1
+    assert [m.num_trained_tokens for m in micro] == [3, 1] and len(packed) == 2  # each packed once, then kept
+    assert micro.num_trained_tokens == sum(m.num_trained_tokens for m in micro)
+    expected = pack([traces[0], traces[2]], [1.0, 0.5])
+    assert micro[0].advantages.tolist() == expected.advantages.tolist() and len(micro) == 2
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""The trainer's GPU path (bf16 compute weights, varlen attention, compiled layers, fused logprob head)
-against a float32 reference of the same weights (marker gpu).
+"""The trainer's GPU path (bf16 compute weights, varlen attention, compiled layers, fused logprob head,
+with its torch or its Triton kernels) against a float32 reference of the same weights (marker gpu).
 
 Tolerance: logprobs of the bf16 path within 0.05 nats of float32 on average and 0.5 at worst, on a
 random-weight model whose logprobs are about -12 (bf16 keeps 8 bits of mantissa: hidden states and
@@ -60,10 +60,15 @@ def _logprobs(trainer: Trainer, batch: Batch) -> torch.Tensor:
         return trainer._forward(model, m)[0][m.loss_mask]
 
 
-def test_bf16_path_logprobs_match_float32_within_bf16_tolerance():
+HEADS = pytest.mark.parametrize("triton_logprobs", [False, True], ids=["torch_head", "triton_head"])
+
+
+@HEADS
+def test_bf16_path_logprobs_match_float32_within_bf16_tolerance(triton_logprobs):
     model = _model()
-    fast = Trainer(TrainerConfig(device="cuda"), AlgoConfig(), model, max_steps=1)
+    # the head's switches are process-wide, set by the trainer built last: the fast one
     exact = Trainer(TrainerConfig(device="cuda", bf16=False, torch_compile=False), AlgoConfig(), copy.deepcopy(model), max_steps=1)
+    fast = Trainer(TrainerConfig(device="cuda", triton_logprobs=triton_logprobs), AlgoConfig(), model, max_steps=1)
     assert fast.plan.compute is not None and fast.plan.packed and exact.plan.compute is None
     batch = _batch()
     ours, reference = _logprobs(fast, batch), _logprobs(exact, batch)
@@ -72,12 +77,13 @@ def test_bf16_path_logprobs_match_float32_within_bf16_tolerance():
     assert error.mean() < 0.05 and error.max() < 0.5
 
 
-def test_a_bf16_step_moves_the_float32_masters_like_a_float32_step():
+@HEADS
+def test_a_bf16_step_moves_the_float32_masters_like_a_float32_step(triton_logprobs):
     model = _model()
     config = dict(device="cuda", learning_rate=1e-4, max_tokens_per_microbatch=4096)
-    fast = Trainer(TrainerConfig(**config), AlgoConfig(), model, max_steps=2)
-    exact = Trainer(TrainerConfig(**config, bf16=False, torch_compile=False), AlgoConfig(), copy.deepcopy(model), max_steps=2)
     before = [p.detach().clone() for p in model.parameters()]
+    exact = Trainer(TrainerConfig(**config, bf16=False, torch_compile=False), AlgoConfig(), copy.deepcopy(model), max_steps=2)
+    fast = Trainer(TrainerConfig(**config, triton_logprobs=triton_logprobs), AlgoConfig(), model, max_steps=2)
     for trainer in (fast, exact):
         metrics = trainer.train_step(_batch(seed=1))
         assert metrics["grad_norm"] > 0 and trainer.policy_version == 1

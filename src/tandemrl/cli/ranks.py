@@ -19,8 +19,10 @@ def start_ranks(config: TrainConfig, use_cuda: bool) -> DataParallel:
         raise ValueError(f"--num_prompts_per_step {p} must be a multiple of the {dp.world_size} ranks (each generates and trains as many groups)")
     if g.rollout_mode != "colocate" or g.generator != "engine" or g.generator_device:
         raise ValueError("under torchrun each rank generates with its own colocated engine: drop --rollout_mode, --generator and --generator_device")
-    if config.lora.enabled or config.offload.enabled:
-        raise ValueError("--lora_r and --offload_* do not run under torchrun yet (FSDP2 shards the policy): drop them, or train in one process")
+    if config.lora.enabled:
+        raise ValueError(
+            "--lora_r does not run under torchrun yet (peft's adapters are not sharded with the policy by FSDP2): drop it, or train in one process"
+        )
     return dp
 
 

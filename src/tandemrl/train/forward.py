@@ -82,6 +82,13 @@ class ForwardPlan:
         if self.compute is not None:
             self.compute.accumulate()
 
+    def reshard(self, model: Any) -> None:
+        """After no-grad passes under FSDP: the root's gathered weights (embedding, norm, head) freed. FSDP2
+        keeps the root gathered after a forward for the backward that follows, and no backward follows
+        these (the reference model's would stay gathered for the whole run)."""
+        if self.dp.enabled:
+            model.reshard()
+
     def invalidate(self) -> None:
         if self.compute is not None:
             self.compute.refresh_on_next_use()

@@ -202,6 +202,7 @@ class Trainer:
                 per_trace[i] = part
         for _ in range(self.dp.max(len(no_grad_plan)) - len(no_grad_plan)):  # FSDP: as many passes as the busiest rank
             self.plan.logprobs(model, self._filler, **self._head_options(False))
+        self.plan.reshard(model)
         return [torch.cat([per_trace[i] for i in idx]) for idx in plan]
 
     def _trainable(self, trace: TokenTrace, status: RolloutStatus) -> TokenTrace:

@@ -49,3 +49,22 @@ def test_training_with_offload_round_trips_is_bit_identical():
         assert torch.equal(a, b)
     for a, b in zip(optimizer_tensors(plain.optimizer), optimizer_tensors(offloaded.optimizer)):
         assert torch.equal(a, b)
+
+
+def test_a_sharded_tensor_offloads_its_local_shard(tmp_path):
+    """Under FSDP2 parameters and optimizer state are DTensors: the shard each rank holds leaves and comes back."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        full = torch.randn(6, 4)
+        sharded = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
+        offload = StorageOffload()
+        offload.offload([sharded])
+        assert sharded._local_tensor.untyped_storage().nbytes() == 0 and offload.nbytes() == full.nbytes
+        offload.reload()
+        assert torch.equal(sharded.full_tensor(), full)
+    finally:
+        dist.destroy_process_group()

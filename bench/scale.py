@@ -10,9 +10,11 @@ Then one line per N: scaling efficiency = tokens/s(N) / (N x tokens/s(1)) (requi
 largest relative difference of the curves.
 
 colocate: `tandem train` under torchrun on a random Qwen2.5-7B-shaped model saved to a temporary
-directory (bf16 on disk, float32 masters), each rank with its own engine; stopped after --steps logged
-steps (the run's final checkpoint is not part of the figure). Prints the steady step time split and
-rank 0's peak memory (the console's `mem`), or the error that stopped it.
+directory (bf16 on disk, float32 masters), each rank with its own engine (or one split over the ranks:
+`-- --tensor_parallel_size 2`), the memory levers as the flags after `--` say; stopped after --steps
+logged steps (the run's final checkpoint is not part of the figure). Prints the steady step time split
+and rank 0's peak memory (the console's `mem`), or the error that stopped it. `--model tiny` runs the
+same command on a CPU (gloo) in about a minute: a check that it runs, not a figure.
 
 engine: the engine split over N GPUs (tensor parallel) against one GPU, on a random model of a real
 Qwen2.5 shape: output tokens/s of a GRPO-shaped workload (64 prompts x 8 samples, 128 prompt + 256 new
@@ -21,7 +23,8 @@ gap). This process is rank 0 on GPU 0; ranks 1..N-1 are spawned (generation/engi
 their shards from the model's weights on GPU 0 (CUDA IPC). One JSON line per figure, then a ratio line.
 
     python bench/scale.py train --model 1.5b --nproc 1,2
-    python bench/scale.py colocate --model 7b --nproc 2 --steps 4 -- --sleep_level 1
+    python bench/scale.py colocate --model 7b --nproc 2 --steps 3 -- --sleep_level 1 --offload_optimizer --offload_model
+    python bench/scale.py colocate --model tiny --nproc 2 --steps 2 --prompts 2 --generations 2 --completion_tokens 8 -- --tensor_parallel_size 2
     python bench/scale.py engine --model 1.5b --tensor_parallel_size 2
 """
 

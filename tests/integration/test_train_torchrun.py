@@ -1,6 +1,7 @@
 """`torchrun --nproc_per_node 2 -m tandemrl train` on CPU (gloo, FSDP2): one launch, shared by every test
 here, then one rank resumes it. Two ranks train as one rank on the same data; resume changes rank count.
-A second launch turns every memory lever on: the same run, bit for bit."""
+A second launch turns every memory lever on: the same run, bit for bit. A third splits one engine over
+both ranks (tensor parallel): the same run within float tolerance."""
 
 from __future__ import annotations
 
@@ -98,3 +99,20 @@ def test_memory_levers_under_torchrun_leave_the_run_bit_identical(two_ranks, tmp
     a = load_file(two_ranks[0] / "checkpoint-2" / "model.safetensors")
     b = load_file(run_dir / "checkpoint-2" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_engine_split_over_both_ranks_trains_as_one_rank(two_ranks, tmp_path):
+    """--tensor_parallel_size 2: one engine sharded over the two ranks, rank 0 generating every group for
+    both; its weights refilled from the sharded policy after a level-2 sleep, in batches."""
+    from safetensors.torch import load_file
+
+    run_dir, result = torchrun_train(tmp_path / "run", "--tensor_parallel_size", "2", "--sleep_level", "2", "--move_model_batches", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "engines split over 2 ranks" in result.stdout
+    for got, expected in zip(metrics(run_dir), metrics(two_ranks[0]), strict=True):
+        assert got["reward"] == pytest.approx(expected["reward"], abs=1e-9)  # the same tokens sampled
+        for key in ("loss", "grad_norm", "entropy"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    a = load_file(two_ranks[0] / "checkpoint-2" / "model.safetensors")
+    b = load_file(run_dir / "checkpoint-2" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

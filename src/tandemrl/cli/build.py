@@ -34,7 +34,7 @@ from tandemrl.rollout.run import MultiTurn
 from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state, sharded_optimizer
-from tandemrl.train.distributed import close_data_parallel
+from tandemrl.train.distributed import DataParallel, close_data_parallel
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Example, SamplingParams
 from tandemrl.weights.base import build_weight_sync
@@ -59,7 +59,7 @@ def run(config: TrainConfig) -> Path:
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
-    early = _rollout_side(config, model, tokenizer, device=str(device)) if dp.enabled else None
+    early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled else None
     trainer = Trainer(
         config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature,
         offload=config.offload, dp=dp,
@@ -139,7 +139,8 @@ def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     if num_ranks > 1:
-        where = f"{num_ranks} ranks (FSDP2), rank 0 on {where}"
+        split = config.engine.tensor_parallel_size
+        where = f"{num_ranks} ranks (FSDP2{f'; engines split over {split} ranks' if split > 1 else ''}), rank 0 on {where}"
     autocast = ", bfloat16 autocast" if device.type == "cuda" and config.trainer.bf16 else ""
     return banner(
         model=config.run.model, num_parameters=sum(p.numel() for p in model.parameters()), task=config.run.task,
@@ -328,9 +329,19 @@ def _sampling(config: TrainConfig) -> SamplingParams:
     })  # fmt: skip
 
 
-def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "") -> tuple[Any, Any]:
+def _engine_ranks(dp: DataParallel) -> Any:
+    """This rank's tensor-parallel group of the colocated engine (None when each rank has its own engine).
+    A collective: every rank calls it."""
+    if dp.tensor_parallel_size == 1:
+        return None
+    from tandemrl.generation.engine.parallel import split_world
+
+    return split_world(dp.tensor_parallel_size)
+
+
+def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "", tp: Any = None) -> tuple[Any, Any]:
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator (colocated on
-    `device`, default the trainer's --device)."""
+    `device`, default the trainer's --device; split over the ranks of `tp` when given)."""
     r = config.generation
     if r.rollout_mode == "server":
         remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
@@ -355,7 +366,7 @@ def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any, *, device: st
         from tandemrl.train.lora import MergedView
 
         model = MergedView(model)
-    generator = build_generator(backend, model=model, tokenizer=tokenizer)
+    generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp)
     return generator, build_weight_sync(config.local_sync, generator)
 
 

@@ -1,8 +1,10 @@
 """`tandem train` under torchrun: the ranks are started once, before anything is built, and only rank 0
-prints, logs and writes the run directory. One process (no torchrun, or one rank) is today's run."""
+prints, logs and writes the run directory. One process (no torchrun, or one rank) is today's run.
+With --tensor_parallel_size T the ranks form W / T engines, each split over T consecutive ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tandemrl.config import TrainConfig
@@ -12,9 +14,14 @@ from tandemrl.train.distributed import DataParallel, init_data_parallel
 def start_ranks(config: TrainConfig, use_cuda: bool) -> DataParallel:
     """The process group of a torchrun launch (SINGLE without one), once the config can run on it."""
     dp = init_data_parallel(use_cuda)
+    g, p, t = config.generation, config.data.num_prompts_per_step, config.engine.tensor_parallel_size
+    if t > 1 and g.rollout_mode == "colocate" and dp.world_size % t:
+        raise ValueError(
+            f"--tensor_parallel_size {t} splits the colocated engine over that many torchrun ranks: launch with "
+            f"torchrun --nproc_per_node a multiple of {t} (now {dp.world_size} rank(s))"
+        )
     if not dp.enabled:
         return dp
-    g, p = config.generation, config.data.num_prompts_per_step
     if p % dp.world_size:
         raise ValueError(f"--num_prompts_per_step {p} must be a multiple of the {dp.world_size} ranks (each generates and trains as many groups)")
     if g.rollout_mode != "colocate" or g.generator != "engine" or g.generator_device:
@@ -23,7 +30,7 @@ def start_ranks(config: TrainConfig, use_cuda: bool) -> DataParallel:
         raise ValueError(
             "--lora_r does not run under torchrun yet (peft's adapters are not sharded with the policy by FSDP2): drop it, or train in one process"
         )
-    return dp
+    return dataclasses.replace(dp, tensor_parallel_size=t)
 
 
 class Silent:

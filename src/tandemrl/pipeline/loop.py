@@ -207,7 +207,7 @@ async def _generate_and_score(
         for p, i in enumerate(indices) if parts.dp.owns(p)
     ))  # fmt: skip
     t1 = time.perf_counter()
-    if all(g.error for g in groups):  # the generator is broken (a server died or froze): stop, do not train on nothing
+    if groups and all(g.error for g in groups):  # the generator is broken (a server died or froze): stop, do not train on nothing
         raise RunStopped(f"step {step + 1}: every rollout group failed, the first with {groups[0].error}")
     parts.progress.phase("reward")
     scored = [g for g in groups if not failed(g)]

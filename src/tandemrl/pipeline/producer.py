@@ -86,6 +86,8 @@ class Producer:
         """time/generate: first admission to last generated group of a step (it overlaps training when
         S > 0); time/reward: seconds its groups spent scoring, summed (scoring overlaps generation)."""
         timings = [self.timings.pop(i) for i in indices if i in self.timings]  # this rank's groups
+        if not timings:  # a rank whose engine another rank of its tensor-parallel group drives
+            timings = [GroupTiming(admitted=0.0, generated=0.0, reward_s=0.0)]
         return {
             "time/generate": max(t.generated for t in timings) - min(t.admitted for t in timings),
             "time/reward": sum(t.reward_s for t in timings),

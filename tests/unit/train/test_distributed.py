@@ -12,6 +12,24 @@ def test_groups_are_dealt_round_robin_and_every_group_has_one_owner():
     assert [dp.share(list("abcdef")) for dp in ranks] == [["a", "d"], ["b", "e"], ["c", "f"]]
 
 
+def test_an_engine_split_over_ranks_is_driven_by_its_first_rank():
+    ranks = [DataParallel(rank=r, world_size=4, tensor_parallel_size=2) for r in range(4)]
+    assert [[i for i in range(6) if dp.owns(i)] for dp in ranks] == [[0, 2, 4], [], [1, 3, 5], []]
+    assert [dp.share(list("abcd")) for dp in ranks] == [["a"], ["b"], ["c"], ["d"]]  # every rank trains
+
+
+def test_a_split_colocated_engine_needs_torchrun_ranks(monkeypatch):
+    import pytest
+
+    from tandemrl.cli.ranks import start_ranks
+    from tandemrl.config import TrainConfig
+    from tandemrl.generation.base import EngineSettings
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="launch with torchrun --nproc_per_node a multiple of 2"):
+        start_ranks(TrainConfig(engine=EngineSettings(tensor_parallel_size=2)), use_cuda=False)
+
+
 def test_one_process_is_the_identity():
     groups = ["g0", "g1"]
     assert SINGLE.gather_groups(groups) is groups and SINGLE.share(groups) == groups

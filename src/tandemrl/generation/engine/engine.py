@@ -58,7 +58,7 @@ class Engine:
         if config.tensor_parallel_size != (tp.size if tp is not None else 1):
             raise ValueError(
                 f"--tensor_parallel_size {config.tensor_parallel_size}: the engine needs a group of that many ranks; "
-                "`tandem rollout --tensor_parallel_size N` starts them itself (a colocated engine is not split yet)"
+                "`tandem rollout --tensor_parallel_size N` starts them itself; `tandem train` splits its engine over torchrun's ranks"
             )
         self.config = config
         self.tp = tp

@@ -133,6 +133,9 @@ class Engine:
         self._lost_leader = False
         self._following: dict[int, Sequence] = {}  # a follower's unfinished sequences by the leader's seq_id
         self._handed: queue.Queue = queue.Queue(maxsize=1)  # a follower's own weights for the leader's next update
+        self._followed = threading.Condition()  # a follower: the leader's sleeps and wakes applied, and those awaited
+        self._num_applied = {"sleep": 0, "wake": 0}
+        self._num_awaited = {"sleep": 0, "wake": 0}
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._follow if self.is_follower else self._loop, name="tandem-engine", daemon=True)
@@ -217,9 +220,20 @@ class Engine:
             done.set()
 
     async def sleep(self, level: int) -> None:
-        """On a follower nothing: the leader's sleep and wake reach every rank."""
-        if not self.is_follower:
+        """The leader's sleep and wake reach every rank; on a follower (a colocated trainer's rank) these
+        return once the leader's next one has been applied here, so the caller's next GPU work never runs
+        while this rank's engine frees its memory or captures its CUDA graphs (a capture fails when another
+        thread uses the GPU)."""
+        if self.is_follower:
+            await asyncio.to_thread(self._await_leader, "sleep")
+        else:
             await asyncio.to_thread(self._sleep, level)
+
+    def _await_leader(self, kind: str) -> None:
+        with self._followed:
+            if not self._followed.wait_for(lambda: self._num_applied[kind] > self._num_awaited[kind] or self._closed, self.tp.timeout_s):
+                raise TimeoutError(f"the tensor-parallel leader sent no {kind} within {self.tp.timeout_s:g} s")
+            self._num_awaited[kind] += 1
 
     def _sleep(self, level: int) -> None:
         """Level 1 frees the KV cache (and the CUDA graphs that address it); level 2 also the weights,
@@ -242,7 +256,9 @@ class Engine:
         self._sleeping = True
 
     async def wake(self) -> None:
-        if not self.is_follower:
+        if self.is_follower:
+            await asyncio.to_thread(self._await_leader, "wake")
+        else:
             await asyncio.to_thread(self._wake_up)
 
     def _wake_up(self) -> None:
@@ -336,6 +352,10 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - a rank that cannot follow ends; follow() says so
                 log.error("tensor-parallel rank %d stops following its leader: %s: %s", self.tp.rank, type(error).__name__, error)
                 self._closed = self._lost_leader = True
+            finally:
+                with self._followed:  # a caller waiting for the leader's sleep or wake waits no more
+                    self._closed = True
+                    self._followed.notify_all()
 
     def _follow_one(self, kind: str, *args: Any) -> bool:
         with self._step_lock:
@@ -345,6 +365,10 @@ class Engine:
                     {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
                 except Exception as error:  # noqa: BLE001 - the leader's same call raised to its caller; this rank goes on
                     log.warning("tensor-parallel rank %d: %s failed as on the leader: %s: %s", self.tp.rank, kind, type(error).__name__, error)
+                if kind in self._num_applied:
+                    with self._followed:
+                        self._num_applied[kind] += 1
+                        self._followed.notify_all()
                 return True
             wire, run, closed = args
             self._apply([from_wire(event, self._following) for event in wire])

@@ -67,6 +67,16 @@ async def _lead(engine: Engine, model_dir: str, colocate: bool = False) -> dict[
     return {"before": before, "after": after, "after_wake": await _outputs(engine)}
 
 
+async def _follow_as_trainer(engine: Engine, model_dir: str) -> None:
+    """A colocated follower's trainer: its sleep and wake return once the leader's have been applied here
+    (the trainer's next GPU work never overlaps this rank's engine freeing memory or capturing graphs)."""
+    await _publish(engine, model_dir, colocate=True)
+    await engine.sleep(1)
+    assert engine.runner.kv_cache is None
+    await engine.wake()
+    assert engine.runner.kv_cache is not None
+
+
 def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str, dict]:
     """Rank 0 (this process) leads and returns its outputs; rank 1 (spawned) follows."""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
@@ -87,8 +97,8 @@ def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str,
             results[name] = asyncio.run(_lead(engine, model_dir, colocate))
             asyncio.run(engine.close())
         else:
-            if colocate:  # this rank's own trainer hands the same tensors over
-                asyncio.run(_publish(engine, model_dir, colocate))
+            if colocate:  # this rank's own trainer hands the same tensors over, then sleeps and wakes as the leader does
+                asyncio.run(_follow_as_trainer(engine, model_dir))
             assert engine.follow()
         if colocate:
             dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node 2 -m tandemrl train` on CPU (gloo, FSDP2): one launch, shared by every test
 here, then one rank resumes it. Two ranks train as one rank on the same data; resume changes rank count.
-A second launch turns every memory lever on: the same run, bit for bit. A third splits one engine over
-both ranks (tensor parallel): the same run within float tolerance."""
+A second launch turns every memory lever on: the same run, bit for bit. A third trains LoRA with one
+engine split over both ranks (tensor parallel): one process's LoRA run within float tolerance."""
 
 from __future__ import annotations
 
@@ -101,18 +101,29 @@ def test_memory_levers_under_torchrun_leave_the_run_bit_identical(two_ranks, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_engine_split_over_both_ranks_trains_as_one_rank(two_ranks, tmp_path):
-    """--tensor_parallel_size 2: one engine sharded over the two ranks, rank 0 generating every group for
-    both; its weights refilled from the sharded policy after a level-2 sleep, in batches."""
+def test_lora_with_an_engine_split_over_both_ranks_trains_as_one_rank(tmp_path):
+    """LoRA under FSDP2 (adapters trained, the base with adapters off as the reference) and one engine
+    split over both ranks (--tensor_parallel_size 2: rank 0 generates every group, the engine's weights
+    refilled after a level-2 sleep with the merged policy gathered in batches) against one process with
+    LoRA and an engine of its own: the same rollouts, the same steps within float tolerance."""
+    pytest.importorskip("peft")
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
-    run_dir, result = torchrun_train(tmp_path / "run", "--tensor_parallel_size", "2", "--sleep_level", "2", "--move_model_batches", "3")
+    from tandemrl.tasks.tiny import save_tiny
+
+    model = save_tiny(str(tmp_path / "tiny"), initializer_range=0.2)  # LoRA's test model (test_train_cli.py)
+    lora = ["--model", model, "--task", "synthetic", "--lora_r", "16", "--learning_rate", "1e-2", "--beta", "0.1", "--lora_save_merged"]
+    split_dir, result = torchrun_train(tmp_path / "split", *lora, "--tensor_parallel_size", "2", "--sleep_level", "2", "--move_model_batches", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "engines split over 2 ranks" in result.stdout
-    for got, expected in zip(metrics(run_dir), metrics(two_ranks[0]), strict=True):
+    one_dir = tmp_path / "one"
+    one = run([sys.executable, "-m", "tandemrl", "train", "--output_dir", str(one_dir), "--max_steps", "2", "--save_steps", "2", *TINY, *lora])
+    assert one.returncode == 0, one.stderr[-3000:]
+    for got, expected in zip(metrics(split_dir), metrics(one_dir), strict=True):
         assert got["reward"] == pytest.approx(expected["reward"], abs=1e-9)  # the same tokens sampled
-        for key in ("loss", "grad_norm", "entropy"):
+        for key in ("loss", "grad_norm", "entropy", "kl"):
             assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-    a = load_file(two_ranks[0] / "checkpoint-2" / "model.safetensors")
-    b = load_file(run_dir / "checkpoint-2" / "model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    a, b = (load_file(d / "checkpoint-2" / "adapter_model.safetensors") for d in (split_dir, one_dir))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    AutoModelForCausalLM.from_pretrained(split_dir / "checkpoint-2" / "merged")  # gathered from every rank, loadable as is

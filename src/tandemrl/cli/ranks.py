@@ -26,10 +26,6 @@ def start_ranks(config: TrainConfig, use_cuda: bool) -> DataParallel:
         raise ValueError(f"--num_prompts_per_step {p} must be a multiple of the {dp.world_size} ranks (each generates and trains as many groups)")
     if g.rollout_mode != "colocate" or g.generator != "engine" or g.generator_device:
         raise ValueError("under torchrun each rank generates with its own colocated engine: drop --rollout_mode, --generator and --generator_device")
-    if config.lora.enabled:
-        raise ValueError(
-            "--lora_r does not run under torchrun yet (peft's adapters are not sharded with the policy by FSDP2): drop it, or train in one process"
-        )
     return dataclasses.replace(dp, tensor_parallel_size=t)
 
 

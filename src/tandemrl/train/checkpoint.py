@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandemrl.train.distributed import SINGLE, DataParallel, full_state_dict, save_optimizer, untied
+from tandemrl.train.distributed import SINGLE, DataParallel, full_state_dict, full_tensor, save_optimizer, untied
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -64,14 +64,15 @@ def save_checkpoint(
     if dp.enabled:
         dp.barrier()
         save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)
+    if save_merged:  # under torchrun every rank gathers the merged weights; rank 0 writes them
+        from tandemrl.train.lora import save_merged as write_merged
+
+        write_merged(model, tmp / "merged" if dp.is_main else None, gather=full_tensor if dp.enabled else None)
     if dp.is_main:
         # a peft model writes its adapter; a sharded one its gathered weights
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": untied(model, whole)} if dp.enabled else {}))
         tokenizer.save_pretrained(tmp)
         if save_merged:
-            from tandemrl.train.lora import save_merged as write_merged
-
-            write_merged(model, tmp / "merged")
             tokenizer.save_pretrained(tmp / "merged")
         torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
         if final.exists():

@@ -23,6 +23,7 @@ from tandemrl.train.attention import layout, use_packed_attention
 from tandemrl.train.batching import PackedBatch
 from tandemrl.train.config import TrainerConfig
 from tandemrl.train.distributed import SINGLE, DataParallel, shard
+from tandemrl.train.lora import unwrap
 from tandemrl.train.precision import ComputeWeights
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,10 @@ class ForwardPlan:
         return frozen
 
     def shard_policy(self, master: Any) -> None:
-        """Under torchrun: the policy sharded (after the reference was copied whole); else nothing."""
+        """Under torchrun: the policy sharded (after the reference was copied whole; with LoRA the
+        transformers model inside peft's, adapters included); else nothing."""
         if self.dp.enabled:
-            self._prepare(master)
+            self._prepare(unwrap(master))
 
     def logprobs(self, model: Any, m: PackedBatch, **options) -> tuple[torch.Tensor, torch.Tensor]:
         """`packed_logprobs` of `model` on `m`; through the sharded model's registered method under FSDP."""

@@ -4,7 +4,9 @@ The engine receives the merged weights under the Hugging Face names it knows, ea
 merged on the fly (W + scale x B @ A into a new tensor, one layer at a time), so the trained base is
 never touched. The reference policy (--beta) is the base itself: the policy with its adapters disabled
 (peft's `disable_adapter`), no second copy. Checkpoints hold the adapter in peft's format and, on request,
-the merged model. peft is imported here only (an optional dependency: `pip install tandemrl[lora]`).
+the merged model. Under torchrun FSDP2 shards the transformers model inside the peft model, adapters
+included; merged weights are then sharded tensors, made whole by whoever reads them (LocalSync, a
+checkpoint). peft is imported here only (an optional dependency: `pip install tandemrl[lora]`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,10 @@ class MergedView:
         return dict(merged_weights(self.model))
 
 
-def save_merged(model: Any, path: Path) -> None:
-    """The merged policy as a plain Hugging Face model (loadable by transformers as is) in `path`."""
-    unwrap(model).save_pretrained(path, state_dict=dict(merged_weights(model)), safe_serialization=True)
+def save_merged(model: Any, path: Path | None, gather: Callable[[Tensor], Tensor] | None = None) -> None:
+    """The merged policy as a plain Hugging Face model (loadable by transformers as is) in `path`.
+    Sharded (under torchrun): every rank calls it with `gather` (makes a shard whole, a collective);
+    only the rank given a `path` writes."""
+    weights = {name: gather(tensor).cpu() if gather else tensor for name, tensor in merged_weights(model)}
+    if path is not None:
+        unwrap(model).save_pretrained(path, state_dict=weights, safe_serialization=True)

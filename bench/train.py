@@ -140,8 +140,19 @@ def run_ours(shape: str, budget: int, chunk: int, args, variant: dict | None = N
     torch.cuda.empty_cache()
     return {
         "first_step_s": round(first, 3), "compile_s": round(first - seconds, 3), "max_tokens_per_microbatch": chosen,
-        "logprob_chunk_size": config.logprob_chunk_size, "seconds": seconds, "peak_gib": peak,
+        "logprob_chunk_size": config.logprob_chunk_size, "seconds": seconds, "peak_gib": peak, **head_path(),
     }  # fmt: skip
+
+
+def head_path() -> dict:
+    """Which logprob head ran (trees that have the switches): Triton kernels, weight gradient summed in the matmul."""
+    from tandemrl.algo import logprobs
+
+    if not hasattr(logprobs, "_TRITON"):
+        return {}
+    triton = logprobs._TRITON[0] and logprobs._triton_installed()
+    probe = getattr(logprobs, "_baddbmm_accumulates", None)
+    return {"triton_head": triton, "weight_grad_in_matmul": bool(triton and probe and probe())}
 
 
 def run_baseline(shape: str, args, micro: int = 64) -> dict:

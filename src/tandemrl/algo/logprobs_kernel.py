@@ -71,7 +71,7 @@ def _logits_grad_kernel(
     z = tl.load(logits_ptr + row * stride + v, mask=valid, other=0.0).to(tl.float32) * inv_temp
     probs = tl.exp(z - lse)
     out = probs * (-grad - grad_entropy * (z - mean_z)) + tl.where(v == target, grad, 0.0)
-    tl.store(out_ptr + row * out_stride + v, (out * inv_temp).to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_ptr + row * out_stride + v, (out * inv_temp).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=valid)
 
 
 def row_stats(logits: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -228,6 +228,7 @@ def colocate(args) -> None:
             out[key] = round(sum(r[key] for r in steady) / len(steady), 2)
     if memory:
         out["peak_gib_rank0"] = max(memory)
+    out["grad_norm"] = [r.get("grad_norm") for r in rows]  # NaN here: the steps did not train, whatever the times say
     print(json.dumps(out), flush=True)
 
 

@@ -64,9 +64,12 @@ class StorageOffload:
         for storage, buffer in self.moved:
             storage.resize_(buffer.numel())
         side = torch.cuda.Stream(self.device) if overlap and self.device.type == "cuda" and self.moved else None
+        if side is not None:
+            # read outside the `with` below, where the current stream is `side` itself (a wait on itself is
+            # a no-op): the blocks just allocated may still be read by queued work of the current stream
+            # (e.g. another storage's copy out), which the copies in must follow
+            side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream(self.device))  # the allocations above come first
             for storage, buffer in self.moved:
                 storage.copy_(buffer.untyped_storage(), non_blocking=True)
             if side is not None:

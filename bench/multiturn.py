@@ -53,7 +53,9 @@ async def lookup(key: str) -> str:
 
 
 class BenchEnv:
-    """Calls the 50 ms tool after every turn but the last (random text holds no parsable call)."""
+    """Calls the 50 ms tool after every turn but the last (random text holds no parsable call). Each
+    example gets its own answer, as rollouts of one example calling the same lookup would: the G
+    rollouts of a group share it, so rollout/chat.py renders each answer's token delta once a group."""
 
     def __init__(self, toolbox: ToolBox):
         self.toolbox, self.tools = toolbox, toolbox.schemas
@@ -61,7 +63,7 @@ class BenchEnv:
     async def step(self, example: Example, messages: list) -> list:
         if sum(m["role"] == "assistant" for m in messages) >= NUM_TURNS:
             return []
-        return [{"role": "tool", "content": await self.toolbox.call(ToolCall(name="lookup", arguments={"key": "x"}))}]
+        return [{"role": "tool", "content": await self.toolbox.call(ToolCall(name="lookup", arguments={"key": str(example.index)}))}]
 
 
 class FixedTurns:
@@ -117,7 +119,8 @@ async def run_turn_at_a_time(engine: Engine, prompts: list[list[int]], group_siz
         sampled += sum(len(c.token_ids) for c in completions)
         if turn == NUM_TURNS - 1:
             break
-        answers = await asyncio.gather(*(mt.env.step(Example(prompt=""), [{"role": "assistant", "content": ""}]) for _ in histories))
+        examples = [Example(prompt="", index=i // group_size) for i in range(len(histories))]
+        answers = await asyncio.gather(*(mt.env.step(e, [{"role": "assistant", "content": ""}]) for e in examples))
         calls += len(answers)
         for history, completion, answer in zip(histories, completions, answers):
             history += completion.token_ids + mt.chat.delta_ids(answer, last_sampled_id=completion.token_ids[-1])
@@ -132,7 +135,12 @@ def timed(label: str, engine: Engine, make, config: dict) -> dict:
     counts = asyncio.run(make(small=False))
     seconds = time.perf_counter() - started
     after = engine.stats()
-    prefill = {k.split("/")[1]: int(after[k] - before[k]) for k in ("engine/num_prefill_tokens", "engine/num_prefix_hit_tokens")}
+    counters = ("engine/num_prefill_tokens", "engine/num_prefix_hit_tokens", "engine/num_steps", "engine/num_prefill_steps")
+    prefill = {k.split("/")[1]: int(after[k] - before[k]) for k in counters}
+    # the engine thread's seconds by phase (prefill_s is part of prepare_s + device_wait_s); wall time
+    # past their sum is time the engine had nothing to run: the turn boundaries' cost
+    phases = ("prepare_s", "device_wait_s", "schedule_s", "postprocess_s", "prefill_s", "gpu_s")
+    prefill |= {k: round(after[f"engine/{k}"] - before[f"engine/{k}"], 3) for k in phases}
     row = {"mode": label, **config, **counts, **prefill, "seconds": round(seconds, 3),
            "tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "tool_calls_per_s": round(counts["tool_calls"] / seconds, 1)}
     print(json.dumps(row), flush=True)

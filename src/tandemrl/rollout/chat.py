@@ -23,6 +23,7 @@ from tandemrl.types import Message
 
 _MARK = "@@tandem-turn@@"  # content of the stand-in assistant message the delta is cut after
 _TURNS = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+DELTA_CACHE_SIZE = 4096  # distinct environment answers whose token delta is kept
 _STAND_INS = ([{"role": "system", "content": "s"}, *_TURNS], _TURNS)  # the second for templates without a system role
 
 
@@ -99,6 +100,10 @@ class ChatFormat:
         self.end_of_turn_id: int | None = closing_ids[0] if closing_ids else None
         """The token that ends an assistant turn (ChatML: <|im_end|>); generation stops on it."""
         self._end_text = self.tokenizer.decode(closing_ids[:1])
+        # a render and an encode cost ~0.3 ms, paid on the event loop between a turn and the next, for every
+        # rollout; answers repeat (a group's rollouts make the same calls, errors recur), so each distinct
+        # answer's delta is computed once (a delta is a function of the messages alone)
+        self._deltas: dict[tuple[str, bool], tuple[int, ...]] = {}
 
     def delta_ids(self, messages: list[Message], *, last_sampled_id: int | None) -> list[int]:
         """Context tokens that follow a sampled assistant turn: its closing, `messages`, the next opening.
@@ -106,10 +111,17 @@ class ChatFormat:
         Example (ChatML, turn ended by <|im_end|>), [tool "7"] -> ids of
         "\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"
         """
-        text = self._after_mark(messages, True, self._tools)
-        if last_sampled_id is not None and last_sampled_id == self.end_of_turn_id and text.startswith(self._end_text):
-            text = text[len(self._end_text) :]
-        return self._encode(text)
+        sampled_end = last_sampled_id is not None and last_sampled_id == self.end_of_turn_id
+        key = (json.dumps(messages, default=repr), sampled_end)  # key order kept: a template may iterate a dict
+        ids = self._deltas.get(key)
+        if ids is None:
+            text = self._after_mark(messages, True, self._tools)
+            if sampled_end and text.startswith(self._end_text):
+                text = text[len(self._end_text) :]
+            ids = self._deltas[key] = tuple(self._encode(text))
+            if len(self._deltas) > DELTA_CACHE_SIZE:
+                del self._deltas[next(iter(self._deltas))]  # the oldest answer
+        return list(ids)
 
     def _after_mark(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         full = self._render(self._stand_in + messages, add_generation_prompt, tools)

@@ -182,3 +182,59 @@ def test_chat_template_kwargs_reach_every_turns_render(tiny_tokenizer):
     plain = ChatFormat(tokenizer).delta_ids(tool, last_sampled_id=im_end)
     assert tokenizer.decode(plain).endswith("<|im_start|>assistant\n")
     assert off[: len(plain)] == plain
+
+
+def test_a_repeated_answer_renders_once_and_each_answer_keeps_its_own_delta(tiny_tokenizer):
+    """The delta of an answer seen before comes from the cache (no template render between turns), and
+    equals a fresh render; another content, or a turn that did not sample <|im_end|>, is its own entry."""
+    chat = ChatFormat(tiny_tokenizer)
+    renders = []
+    render = chat._render
+    chat._render = lambda *args: renders.append(args) or render(*args)
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    seven = chat.delta_ids([{"role": "tool", "content": "7"}], last_sampled_id=im_end)
+    again = chat.delta_ids([{"role": "tool", "content": "7"}], last_sampled_id=im_end)
+    assert again == seven and len(renders) == 1
+    again.append(0)  # a caller's list is its own
+    assert chat.delta_ids([{"role": "tool", "content": "7"}], last_sampled_id=im_end) == seven
+    eight = chat.delta_ids([{"role": "tool", "content": "8"}], last_sampled_id=im_end)
+    unclosed = chat.delta_ids([{"role": "tool", "content": "7"}], last_sampled_id=5)
+    assert len(renders) == 3 and eight != seven and unclosed[1:] == seven and tiny_tokenizer.decode(unclosed[:1]) == "<|im_end|>"
+    assert ChatFormat(tiny_tokenizer).delta_ids([{"role": "tool", "content": "8"}], last_sampled_id=im_end) == eight
+
+
+def test_the_tool_waits_of_a_groups_rollouts_overlap(tiny_tokenizer):
+    """A slow tool is awaited by every rollout at once, not one conversation after another: every call of
+    a turn starts before the first one returns (an ordered event log, so the test needs no clock)."""
+    from tandemrl.rollout.group import play_group
+
+    log = []
+
+    async def slow(x: int) -> int:
+        """Answers after a while.
+
+        Args:
+            x: Anything.
+        """
+        log.append("start")
+        await asyncio.sleep(0.2)
+        log.append("end")
+        return x
+
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = encode(tiny_tokenizer, '<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>') + [im_end]
+
+    class CallsTwice:
+        version = 0
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            ids = call if tiny_tokenizer.decode(prompt_ids).count("<tool_response>") < 2 else encode(tiny_tokenizer, "done") + [im_end]
+            return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop", policy_versions=[0] * len(ids))
+
+    tool = python_tool(slow)
+    mt = MultiTurn(env=ToolEnv(ToolBox([tool], timeout_s=5), HermesParser()), chat=ChatFormat(tiny_tokenizer, [tool.schema]),
+                   max_turns=3, max_total_tokens=1024)
+    group = asyncio.run(play_group(Example(prompt="p"), encode(tiny_tokenizer, "p"), generator=CallsTwice(), params=SamplingParams(max_tokens=64),
+                                   group_size=16, tokenizer=tiny_tokenizer, seed=0, multi_turn=mt))
+    assert [len(r.turns) for r in group.rollouts] == [3] * 16
+    assert log == ["start"] * 16 + ["end"] * 16 + ["start"] * 16 + ["end"] * 16

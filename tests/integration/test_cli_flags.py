@@ -82,7 +82,7 @@ def test_help_shows_choices_of_every_enumerated_flag(train_help):
 
 def test_help_says_where_a_task_recipe_overrides_a_default(train_help):
     text = " ".join(train_help.split())
-    assert "Peak AdamW learning rate. (default: 1e-06) [task lookup: 0.001; task synthetic (the default): 0.001]" in text
+    assert "Peak AdamW learning rate. (default: 1e-06) [task lookup: 0.002; task synthetic (the default): 0.001]" in text
 
 
 def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):

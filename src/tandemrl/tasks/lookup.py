@@ -1,11 +1,12 @@
 """A tool task the tiny built-in policy learns on a CPU: the code to write is known only to a tool.
 
 Every prompt is the same; each example hides one of five two-digit codes that only the `hint` tool
-tells. `secret_reward` is the fraction of the last turn's characters that are digits of the code, so a
-policy that never calls the tool can expect 0.2 at best (it cannot know the code), and one that calls
+tells. `secret_reward` is the share of the last turn's characters spent on whole copies of the code, so
+a policy that never calls the tool can expect 0.2 at best (it cannot know the code), and one that calls
 it and copies what it reads reaches 1. The task is shaped so that copying is all a tiny transformer
-has to learn: each code is one token of the tiny tokenizer (its BPE merged "01", "23", ...; a lone
-digit would lose to the pair holding it), no digit appears elsewhere in the context (the prompt is
+has to learn: each code is one token of the tiny tokenizer (its BPE merged "01", "23", ...; a policy
+asked for one digit learns to write the pair that holds it and stalls at half), only whole copies
+count (the merge "42" straddles two codes), no digit appears elsewhere in the context (the prompt is
 plain ChatML without the tool schemas, which a random-init model cannot read and which would make
 the context five times longer), and the tool repeats the code, so it is a large share of what the
 policy attends over. Partial credit makes the way there smooth: `digit_reward` (weight 0.2) pays any
@@ -30,10 +31,10 @@ from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.types import Example
 
 CODES = ("01", "23", "45", "67", "89")  # each one token of the tiny tokenizer (its BPE merged these pairs)
-HINT_REPEATS = 12  # the code, written this often, is a larger share of the context the policy attends over
+HINT_REPEATS = 24  # the code, written this often, is a larger share of the context the policy attends over
 
 
-PROMPT = "<|im_start|>user\nsecret:<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = "<|im_start|>user\nsecret:<|im_end|>\n<|im_start|>assistant\n"  # ChatML of one user turn, no tool schemas
 
 
 def lookup_examples(num_examples: int = 3000, seed: int = 0) -> list[Example]:
@@ -42,7 +43,7 @@ def lookup_examples(num_examples: int = 3000, seed: int = 0) -> list[Example]:
     return [Example(prompt=PROMPT, columns={"secret": rng.choice(CODES)}, index=i) for i in range(num_examples)]
 
 
-def hint(example: Example):  # noqa: ANN201 - no return hint: the schema in every prompt stays short
+def hint(example: Example):  # noqa: ANN201 - no return hint: the tool's schema stays bare
     """Tells the secret."""
     return example.columns["secret"] * HINT_REPEATS
 
@@ -68,15 +69,15 @@ def _last_turn(completion: Any) -> list[str]:
 
 
 def secret_reward(prompts: list[Any], completions: list[Any], secret: list[str], **_: Any) -> list[float]:
-    """Fraction of the last assistant turn's non-space characters that are digits of the secret code; empty scores 0.
+    """Share of the last assistant turn's non-space characters spent on copies of the secret code; empty scores 0.
 
     Example: secret_reward([p], [[{"role": "assistant", "content": "?"}, {"role": "tool", "content": "6767"},
-    {"role": "assistant", "content": "67a6"}]], secret=["67"]) -> [0.75]
+    {"role": "assistant", "content": "6767a"}]], secret=["67"]) -> [0.8]
     """
     scores = []
     for completion, code in zip(completions, secret):
-        chars = _last_turn(completion)
-        scores.append(sum(c in code for c in chars) / len(chars) if chars else 0.0)
+        text = "".join(_last_turn(completion))
+        scores.append(text.count(code) * len(code) / len(text) if text else 0.0)
     return scores
 
 
@@ -114,8 +115,8 @@ def build_task(data: str | None = None, split: str = "train") -> Task:
             max_completion_length=8,
             num_prompts_per_step=16,
             num_generations=8,
-            max_steps=150,
-            learning_rate=1e-3,
+            max_steps=200,
+            learning_rate=2e-3,
             max_tokens_per_microbatch=1024,
             warmup_steps=0,
             temperature=1.0,

@@ -51,14 +51,15 @@ def test_a_turn_with_a_call_mark_calls_hint_and_the_tool_answers_with_the_rows_c
 
 
 def test_the_rewards_read_the_last_assistant_turn_only():
-    called = [{"role": "assistant", "content": "67#"}, {"role": "tool", "content": "6767"}, {"role": "assistant", "content": "76a 5"}]
+    called = [{"role": "assistant", "content": "67#"}, {"role": "tool", "content": "6767"}, {"role": "assistant", "content": "67a 5"}]
     assert secret_reward([None], [called], secret=["67"]) == [0.5]
     assert digit_reward([None], [called]) == [0.75]
     assert secret_reward([None, None], ["67", ""], secret=["67", "67"]) == [1.0, 0.0]  # single-turn: the text itself; empty: 0
+    assert secret_reward([None], ["4242"], secret=["45"]) == [0.0]  # only whole copies count: "42" straddles two codes
 
 
 def test_without_the_tool_no_answer_expects_more_than_one_fifth():
     """The bar a learned policy must pass: any fixed text scores at most 0.2 on average over the codes."""
-    for text in ("0123456789", "6767", "67#", "abc"):
+    for text in ("0123456789", "6767", "4242", "67#", "abc"):
         mean = sum(secret_reward([None], [text], secret=[code])[0] for code in CODES) / len(CODES)
         assert mean <= 0.2

@@ -31,7 +31,8 @@ SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's g
     "top_p": {"gt": 0, "le": 1},
     "top_k": {"ge": -1, "le": MAX_TOP_K},  # -1 = off; 0 is illegal (see __post_init__)
     "min_p": {"ge": 0, "le": 1},
-    "repetition_penalty": {"gt": 0, "le": MAX_REPETITION_PENALTY},  # 1 = off
+    # 1 = off; as far below 1 as the cap is above it: a penalty near 0 divides logits into inf (then NaN)
+    "repetition_penalty": {"ge": 1 / MAX_REPETITION_PENALTY, "le": MAX_REPETITION_PENALTY},
     "seed": {"ge": 0, "le": MAX_SEED},
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the OpenAI routes name it `logprobs` (completions) and `top_logprobs` (chat)

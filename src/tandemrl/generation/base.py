@@ -84,6 +84,9 @@ class EngineSettings:
     """Most sequences decoded together (tandem train: at most one step's, --num_prompts_per_step x --num_generations)."""
     max_num_batched_tokens: int = 16384
     """Most tokens prefilled in one engine step."""
+    prefill_wait_steps: int = 0
+    """While sequences decode, new requests wait up to this many decode steps to be prefilled together
+    (tool rollouts' next turns arrive a few at a time); 0 = prefilled at the next step."""
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
     tensor_parallel_size: int = 1
@@ -93,6 +96,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.prefill_wait_steps < 0:
+            raise ValueError(f"--prefill_wait_steps must be >= 0, got {self.prefill_wait_steps}")
 
     def memory_fraction(self, *, colocated: bool) -> float:
         """The one default of --gpu_memory_utilization: less when the trainer shares the GPU."""

@@ -113,6 +113,7 @@ class Engine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len,
             detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
+            prefill_wait_steps=config.prefill_wait_steps,
         )
         self.overlap = self.device.type == "cuda"  # launch the next decode before waiting (module docstring)
         self._ahead: tuple[ScheduledBatch, Launched, int] | None = None  # that step and its version, in flight

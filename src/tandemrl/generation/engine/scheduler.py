@@ -9,6 +9,12 @@ Prefix sharing: a waiting sequence whose whole context equals one already admitt
 follower: it shares the leader's full blocks, gets a copy of the leader's partial last block after the
 forward, and samples from the leader's last logits. A group of G equal prompts prefills one prompt.
 
+Prefill holdoff (prefill_wait_steps N > 0): while sequences decode, waiting ones are admitted once the
+oldest has waited N decode steps (or they would fill every free slot), so requests that arrive over a
+few steps (the next turns of tool rollouts, each after its own tool call) are prefilled in one step
+rather than one prefill step each tick, each of which stops the decode batch. Counted in steps, not
+seconds, so tensor-parallel ranks replaying the same events decide the same.
+
 Isolation: the sequences of a step that raised wait again, each flagged `isolated`, and each is then
 prefilled in a step of its own, so the next failure names the one sequence that causes it.
 """
@@ -54,24 +60,38 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         detokenize: Callable[[list[int]], str] | None = None,
+        prefill_wait_steps: int = 0,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.detokenize = detokenize
+        self.prefill_wait_steps = prefill_wait_steps
+        self.num_decode_steps = 0  # decode steps scheduled so far: the clock of prefill_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.counters = Counters()
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.num_decode_steps
         self.waiting.append(seq)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        if self._prefill_due():
+            return self._schedule_prefill() or self._schedule_decode()
+        return self._schedule_decode() or self._schedule_prefill()
+
+    def _prefill_due(self) -> bool:
+        """Admit waiting sequences now? Always when nothing decodes; with a holdoff, once the oldest
+        (the front: preempted and isolated sequences rejoin there) waited it out, or when they fill every free slot."""
+        if not self.prefill_wait_steps or not self.waiting or not self.running:
+            return True
+        waited = self.num_decode_steps - self.waiting[0].arrival_step
+        return waited >= self.prefill_wait_steps or len(self.waiting) >= self.max_num_seqs - len(self.running)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         batch = ScheduledBatch(seqs=[], num_new_tokens=[], sample_rows=[], is_prefill=True)
@@ -129,15 +149,18 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         if not scheduled:
             return None
+        self.num_decode_steps += 1
         self.counters.num_decode_tokens += len(scheduled)
         return ScheduledBatch(seqs=scheduled, num_new_tokens=[1] * len(scheduled), sample_rows=list(range(len(scheduled))), is_prefill=False)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, scheduled before `batch`'s tokens are known, so the engine can
         launch it while `batch` still runs: the same sequences, each one token further. Only when nothing
-        waits to be admitted, `batch` is a decode of every running sequence, and each has room for that
-        token without a preemption. Rows of sequences that `batch` finishes are computed and discarded."""
-        if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running):
+        waits to be admitted (a holdoff still running counts as nothing), `batch` is a decode of every
+        running sequence, and each has room for that token without a preemption. Rows of sequences that
+        `batch` finishes are computed and discarded."""
+        admitting = self.waiting and self._prefill_due()
+        if batch.is_prefill or admitting or len(batch.seqs) != len(self.running):
             return None
         if any(seq.status is not Status.RUNNING for seq in batch.seqs):
             return None
@@ -146,6 +169,7 @@ class Scheduler:
             return None
         for seq in batch.seqs:
             self.blocks.may_append(seq, ahead=1)
+        self.num_decode_steps += 1
         self.counters.num_decode_tokens += len(batch.seqs)
         self.counters.num_ahead_steps += 1
         n = len(batch.seqs)

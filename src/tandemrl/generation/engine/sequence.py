@@ -51,6 +51,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_failed_steps: int = 0  # steps that raised with this sequence in them
     isolated: bool = False  # after a failed step: admitted alone, until a step of its own succeeds
+    arrival_step: int = 0  # the scheduler's decode-step count when it last began to wait (prefill_wait_steps)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -53,8 +53,10 @@ def test_logits_grad_kernel_equals_the_torch_path(dtype):
     ours = logits_grad(logits, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
     reference = head._logits_grad(logits / 0.7, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
     assert ours.dtype == dtype
+    # float32: where p -> 1 the gradient is grad * (1 - p), and p carries the log-sum-exp's float32 error at
+    # logits of ~90 (the H200 gave 2.5e-6 against an exact 0 there): the same 2e-5 as the row statistics.
     # bfloat16: one unit in the last place (triton's interpreter truncates where the GPU rounds to nearest)
-    tolerance = dict(atol=1e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-2)
+    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-2)
     torch.testing.assert_close(ours, reference, **tolerance)
 
 

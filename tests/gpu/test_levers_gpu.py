@@ -40,14 +40,20 @@ def _train(offload: OffloadConfig | None, steps: int = 3) -> tuple[Trainer, list
     return trainer, returned
 
 
+def _largest_difference(a: Trainer, b: Trainer) -> float:
+    tensors = lambda t: [*t.model.parameters(), *optimizer_tensors(t.optimizer)]  # noqa: E731
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(tensors(a), tensors(b)))
+
+
 def test_offload_returns_the_optimizer_memory_and_trains_bit_identically():
+    """Bit-identical where two plain runs are (then any offload error shows); where the GPU's kernels are
+    not deterministic run to run, the offloaded run stays within the plain runs' own spread."""
     plain, _ = _train(None)
+    again, _ = _train(None)
     offloaded, returned = _train(OffloadConfig(offload_optimizer=True, offload_model=True))
     assert min(returned) >= 0.9, returned
-    for a, b in zip(plain.model.parameters(), offloaded.model.parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(optimizer_tensors(plain.optimizer), optimizer_tensors(offloaded.optimizer)):
-        assert torch.equal(a, b)
+    spread, difference = _largest_difference(plain, again), _largest_difference(plain, offloaded)
+    assert difference <= 4 * spread, (difference, spread)  # spread 0: bit-identical
 
 
 def test_sleep_returns_the_kv_cache_and_level_2_the_weights(tmp_path):

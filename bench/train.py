@@ -18,6 +18,7 @@ to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -79,6 +80,13 @@ def make_batch(seed: int = 0):
     return Batch(groups=groups, policy_version=0)
 
 
+def resident_gib() -> float:
+    """GiB still allocated before a run builds its model (an earlier run's leftovers count in its peak)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return round(torch.cuda.memory_allocated() / 2**30, 2)
+
+
 def timed(step, *, warmup: int, steps: int) -> tuple[float, float, float]:
     """(first step s, mean of timed steps s, peak GiB over the timed steps)."""
     torch.cuda.synchronize()
@@ -117,6 +125,7 @@ def run_ours(shape: str, budget: int, chunk: int, args, variant: dict | None = N
     fields = {f.name for f in dataclasses.fields(TrainerConfig)}
     if not set(variant or {}) <= fields:
         return None
+    resident = resident_gib()
     model = build_model(shape)
     options = {"torch_compile": not args.no_compile} if "torch_compile" in fields else {}  # older trees as they were
     options.update(variant or {})
@@ -140,7 +149,8 @@ def run_ours(shape: str, budget: int, chunk: int, args, variant: dict | None = N
     torch.cuda.empty_cache()
     return {
         "first_step_s": round(first, 3), "compile_s": round(first - seconds, 3), "max_tokens_per_microbatch": chosen,
-        "logprob_chunk_size": config.logprob_chunk_size, "seconds": seconds, "peak_gib": peak, **head_path(),
+        "logprob_chunk_size": config.logprob_chunk_size, "seconds": seconds, "peak_gib": peak, "resident_at_start_gib": resident,
+        **head_path(),
     }  # fmt: skip
 
 
@@ -188,8 +198,6 @@ def run_baseline(shape: str, args, micro: int = 64) -> dict:
 
 def run_baseline_that_fits(shape: str, args) -> dict:
     """Padded micro-batches of 64 sequences; where full logits of 64 do not fit (1.5B), of 32."""
-    import gc
-
     if args.baseline_micro_batch != 64:
         return run_baseline(shape, args, args.baseline_micro_batch)
     try:

@@ -5,6 +5,7 @@ publishes through (DistributedSync), from the first byte to every server's answe
     python bench/sync.py --transport ipc                    # one GPU: trainer and server share it (CUDA IPC)
     python bench/sync.py --transport nccl                   # two GPUs: the server on cuda:1
     python bench/sync.py --device cpu --transport gloo --shapes tiny   # anywhere: checks the script
+    python bench/sync.py --device cpu --transport gloo --shapes tiny28 --server_args ""   # the per-tensor fixed cost, on CPU
 
 Prints one JSON line per sync, then one per shape: warm median seconds, GB/s, the bar of issue 13
 (NCCL >= 150 GB/s on two H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's
@@ -33,7 +34,8 @@ QWEN25_05B = dict(
 )
 QWEN25_15B = {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
-SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "tiny": TINY}
+TINY28 = {**TINY, "num_hidden_layers": 28}  # the 1.5B's tensor count (339) at a tiny payload: per-tensor fixed costs show on CPU
+SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "tiny": TINY, "tiny28": TINY28}
 BARS_GBPS = {"nccl": 150.0, "ipc": 300.0}  # issue 13, part 6
 
 
@@ -107,12 +109,13 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
             send_s: list[float] = []
             sync.sender.send = timed(sync.sender.send, send_s)
             times = []
+            runner = asyncio.Runner()  # one event loop for every update, as the trainer's (pipeline/loop.py)
             for version in range(1, args.num_syncs + 1):
                 with torch.no_grad():
                     trainer.model.norm.weight.add_(1.0)  # a new policy each time
                 torch.cuda.synchronize() if args.device.startswith("cuda") else None
                 start = time.perf_counter()
-                asyncio.run(sync.publish(trainer.named_parameters(), version=version))
+                runner.run(sync.publish(trainer.named_parameters(), version=version))
                 times.append(time.perf_counter() - start)
                 assert client.readiness()[0]["policy_version"] == version
                 print(json.dumps({"bench": "sync", "shape": shape, "transport": args.transport, "version": version, "bytes": num_bytes,
@@ -122,6 +125,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
             with torch.no_grad():
                 local = trainer.generate(torch.tensor([prompt_ids], device=args.device), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 16:].tolist()
             client.close()
+            runner.close()
         finally:
             server.terminate()
             server.wait(30)

@@ -58,19 +58,27 @@ def plan_windows(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int, windo
         start = end = first = 0
         while pending is not None:
             name, tensor = pending
-            num_bytes = tensor.numel() * tensor.element_size()
+            num_bytes = tensor.nbytes
             offset = end + (-end % ALIGN)
             if tensors and offset + num_bytes > window_bytes:
                 break
             if tensors and offset + num_bytes - start > bucket_bytes:
                 buckets.append((start, end, first, len(tensors)))
                 start, first = offset, len(tensors)
-            meta.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset})
+            meta.append({"name": name, "dtype": _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
             tensors.append(tensor.detach())
             end = offset + num_bytes
             pending = next(stream, None)
         buckets.append((start, end, first, len(tensors)))
         yield Window(tensors=meta, buckets=buckets, num_bytes=end, last=pending is None), tensors
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # torch.float32 -> "float32", filled as met (str(dtype) is slow)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    _DTYPE_NAMES[dtype] = name = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -79,13 +87,31 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, size = [], 1
+    for dim in reversed(shape):
+        strides.append(size)
+        size *= dim
+    return strides[::-1]
+
+
 def views(metas: list[dict[str, Any]], flat: Tensor, base: int = 0) -> list[Tensor]:
-    """Each tensor of `metas` as a view into `flat`, which holds the window's bytes from `base` on."""
+    """Each tensor of `metas` as a view into `flat`, which holds the window's bytes from `base` on. One
+    op a tensor (as_strided into `flat` viewed as each dtype once): an update has ~300 tensors, and
+    slicing and viewing each one three times was a fixed cost of every sync on both sides."""
+    typed: dict[str, tuple[Tensor, int]] = {}  # dtype name -> (flat's whole dtype-sized bytes viewed as it, itemsize)
     out = []
     for m in metas:
-        dtype = _dtype(m["dtype"])
+        name = m["dtype"]
+        if name not in typed:
+            dtype = _dtype(name)
+            typed[name] = (flat[: flat.numel() - flat.numel() % dtype.itemsize].view(dtype), dtype.itemsize)
+        as_dtype, itemsize = typed[name]
         start = m["offset"] - base
-        out.append(flat[start : start + math.prod(m["shape"]) * dtype.itemsize].view(dtype).view(m["shape"]))
+        if start < 0 or start % itemsize or start + math.prod(m["shape"]) * itemsize > flat.numel():  # as_strided checks only the storage's bounds
+            raise ValueError(f"tensor {m['name']} lies outside its window's {flat.numel()} bytes or off its alignment")
+        offset = as_dtype.storage_offset() + start // itemsize
+        out.append(as_dtype.as_strided(m["shape"], _contiguous_strides(m["shape"]), offset))
     return out
 
 

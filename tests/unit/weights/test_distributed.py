@@ -49,6 +49,18 @@ def test_windows_round_trip_every_dtype_shape_and_layout(bucket_bytes, window_by
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
 
 
+def test_views_stay_inside_their_window_wherever_it_starts_in_its_storage():
+    original = named_tensors()
+    ((window, tensors),) = plan_windows(original, 1 << 20, 1 << 20)
+    storage = torch.zeros(window.num_bytes + 128, dtype=torch.uint8)
+    flat = storage[64 : 64 + window.num_bytes]  # a window mid-buffer, as a reused staging buffer's slice
+    pack(window, tensors, flat)
+    assert all(torch.equal(have, want) for (_, have), (_, want) in zip(unpack(window, flat), original))
+    short = Window(tensors=window.tensors, buckets=window.buckets, num_bytes=window.num_bytes, last=True)
+    with pytest.raises(ValueError, match="outside its window"):  # as_strided alone would read the storage past it
+        unpack(short, flat[:-8])
+
+
 def _pair(timeout_s: float = 10.0):
     config = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=timeout_s, weight_sync_bucket_mb=0.0005)
     sender, receiver = WeightSender(config), WeightReceiver(torch.device("cpu"))

@@ -213,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.max_positions = max_positions
         self.rope_cos_sin = torch.empty(0)  # [P, 2, D] float32, set by rope_table(); kept out of .to(dtype)
+        self._routes: dict[str, tuple[str | None, int | None, int]] = {}  # written by _route alone
 
     def rope_table(self) -> Tensor:
         inv_freq = rope_inv_freq(self.config, self.head_dim)
@@ -247,9 +248,10 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
             tensor = self._split(name, tensor)
-            target, start, size = self._target(name, params)
-            if target is None:
+            param_name, start, size = self._route(name, params)
+            if param_name is None:
                 continue
+            target = params[param_name]
             if start is not None:
                 target = target[start : start + size]
             if target.data_ptr() != tensor.data_ptr():
@@ -261,14 +263,23 @@ class LlamaForCausalLM(nn.Module):
         _copy_all(targets, sources)
         return written
 
-    def _target(self, name: str, params: dict[str, Tensor]) -> tuple[Tensor | None, int | None, int]:
+    def _route(self, name: str, params: dict[str, Tensor]) -> tuple[str | None, int | None, int]:
+        """(the parameter that Hugging Face's `name` goes to, its first row there or None for all, rows),
+        (None, None, 0) for a name to skip. Names only: cached, since every update of ~300 tensors paid
+        for these string and module look-ups again."""
+        route = self._routes.get(name)
+        if route is None:
+            route = self._routes[name] = self._find_route(name, params)
+        return route
+
+    def _find_route(self, name: str, params: dict[str, Tensor]) -> tuple[str | None, int | None, int]:
         for part, fused, index in _FUSED:
             fused_name = name.replace(f".{part}.", f".{fused}.")
             if fused_name != name and fused_name in params:
                 sizes = self._fused_sizes(fused)
-                return params[fused_name], sum(sizes[:index]), sizes[index]
+                return fused_name, sum(sizes[:index]), sizes[index]
         if name in params:
-            return params[name], None, 0
+            return name, None, 0
         if "rotary_emb" in name:
             return None, None, 0
         raise ValueError(f"update_weights: the model has no parameter {name!r}")

@@ -12,7 +12,7 @@ model. `--full_step` also runs `tandem train` end to end on the same workload (a
 to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step time split.
 
     python bench/train.py --models 0.5b,1.5b --full_step
-    python bench/train.py --models 0.5b --variants ';triton_logprobs=true'   # ours twice: defaults, Triton head
+    python bench/train.py --models 0.5b --variants ';triton_logprobs=false'  # ours twice: defaults (Triton head), torch head
 """
 
 from __future__ import annotations
@@ -261,8 +261,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="0", help="ours' --max_tokens_per_microbatch values (0 = auto)")
     parser.add_argument("--chunks", default="0", help="ours' --logprob_chunk_size values (0 = the default)")
     parser.add_argument(
-        "--variants", default="", help="';'-separated TrainerConfig overrides, one run of ours each, e.g. ';triton_logprobs=true' "
-        "(the defaults, then the Triton head); a tree without such a field skips that run"
+        "--variants", default="", help="';'-separated TrainerConfig overrides, one run of ours each, e.g. ';triton_logprobs=false' "
+        "(the defaults, then the torch head); a tree without such a field skips that run"
     )  # fmt: skip
     parser.add_argument("--baseline_micro_batch", type=int, default=64, help="sequences per baseline micro-batch (32 if 64 runs out of memory)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -115,7 +115,7 @@ def _maybe_compiled(fn, tensor: Tensor):
 
 
 _COMPILE = [True]  # the trainer switches it off with --torch_compile false
-_TRITON = [False]  # the trainer switches it on with --triton_logprobs
+_TRITON = [False]  # the trainer sets it from --triton_logprobs (on by default)
 
 
 def set_compile(enabled: bool) -> None:
@@ -134,7 +134,7 @@ def _triton_installed() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
-        log.warning("--triton_logprobs: triton is not installed; the logprob head runs its torch path")
+        log.warning("triton is not installed: the logprob head runs its torch path (install triton for the faster head)")
         return False
     return True
 

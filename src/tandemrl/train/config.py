@@ -36,10 +36,11 @@ class TrainerConfig:
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab (2048 x 152k: 1.2 GB)."""
     torch_compile: bool = True
     """On a GPU, torch.compile each decoder layer and the logprob head (the first steps pay the compile time)."""
-    triton_logprobs: bool = False
+    triton_logprobs: bool = True
     """On a GPU with triton installed, the logprob head's per-row statistics (log-sum-exp, logprob, entropy)
     and its logits' gradient run as single-pass Triton kernels instead of the (compiled) torch path, and
-    its weight's float32 gradient accumulates inside the matmul."""
+    its weight's float32 gradient accumulates inside the matmul (0.5B train phase on an H200: 1.35 s vs
+    1.55 s). `--no-triton_logprobs` runs the torch path."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

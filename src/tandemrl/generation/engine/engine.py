@@ -280,6 +280,15 @@ class Engine:
         self._closed = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, self.tp.timeout_s if self.is_follower else None)
+        if self.tp is not None and not self._thread.is_alive():
+            self.release_group()
+
+    def release_group(self) -> None:
+        """Drops the CUDA graphs (they hold the group's captured collectives), then ends the group."""
+        self.runner.free_kv_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.tp.close()
 
     def follow(self) -> bool:
         """A follower: blocks until its leader closes (True), or it cannot follow any more (False: the

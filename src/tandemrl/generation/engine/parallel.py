@@ -16,7 +16,9 @@ under torchrun); only their own collectives are used (all_reduce, all_gather, br
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from tandemrl.generation.engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
 MESSAGE_BYTES = 4096  # one broadcast carries a message this long (a step's usual one); longer ones take two
 HEARTBEAT_S = 1.0  # an idle leader still speaks this often, so a follower's deadline means a dead leader
 
@@ -44,6 +47,7 @@ class TensorParallel:
     timeout_s: float = 300.0
     broadcast_weights: bool = True
     store: Any = None  # the rendezvous store, kept alive with the groups when this rank owns it
+    owns_groups: bool = False  # made by connect(), so ended by close(); split_world's end with the world
 
     @property
     def rank(self) -> int:
@@ -56,6 +60,29 @@ class TensorParallel:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def close(self, deadline_s: float = 15.0) -> None:
+        """Ends the groups connect() made, once this rank's engine stopped using them (and dropped its CUDA
+        graphs: NCCL ends a communicator only after the graphs that captured its collectives are gone).
+        Without it, a NCCL group left to its destructor at exit waits 120 s for an abort (seen on two
+        H200s). Bounded: a group that does not end within `deadline_s` is left to the process's exit."""
+        if not self.owns_groups:
+            return
+        self.owns_groups = False
+        rank, groups = self.rank, (self.group, self.control)
+
+        def end() -> None:
+            for group in groups:
+                try:
+                    group.shutdown()
+                except Exception as error:  # ending anyway: nothing is left to lose
+                    log.warning("tensor-parallel rank %d: ending a group failed: %s: %s", rank, type(error).__name__, error)
+
+        ender = threading.Thread(target=end, name="tp-close", daemon=True)
+        ender.start()
+        ender.join(deadline_s)
+        if ender.is_alive():
+            log.warning("tensor-parallel rank %d: its groups did not end within %g s; left to the process's exit", rank, deadline_s)
 
     # --- the forward's collectives -------------------------------------------------------------------
     def all_reduce(self, x: Tensor) -> Tensor:
@@ -136,7 +163,7 @@ def connect(store: Any, *, rank: int, size: int, device: torch.device, timeout_s
         group = dist.ProcessGroupNCCL(dist.PrefixStore("tp-device", store), rank, size, options)
     else:
         group = dist.ProcessGroupGloo(dist.PrefixStore("tp-device", store), rank, size, timeout)
-    return TensorParallel(group=group, control=control, timeout_s=timeout_s)
+    return TensorParallel(group=group, control=control, timeout_s=timeout_s, owns_groups=True)
 
 
 def split_world(size: int, *, timeout_s: float = 300.0) -> TensorParallel:

@@ -92,4 +92,7 @@ def _follow(rank: int, port: int, config: EngineConfig, model: Any, tokenizer: A
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timedelta(seconds=timeout_s))
     tp = connect(store, rank=rank, size=config.tensor_parallel_size, device=device, timeout_s=timeout_s)
     engine = Engine(dataclasses.replace(config, device=str(device)), model=model, tokenizer=tokenizer, tp=tp)
-    raise SystemExit(0 if engine.follow() else 1)
+    followed = engine.follow()
+    if followed:  # a lost leader leaves collectives that would never end: exiting is all there is
+        engine.release_group()
+    raise SystemExit(0 if followed else 1)

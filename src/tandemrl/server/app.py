@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandemrl.server import batch, openai
-from tandemrl.server.hangup import until_done_or_disconnect
+from tandemrl.server.hangup import disconnected, until_done_or_disconnect
 from tandemrl.server.metrics import CONTENT_TYPE
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
@@ -154,12 +154,12 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
         return {"weight_group": body.group_id}
 
     @app.post("/weights/update", response_model=WeightUpdateResponse, summary="Receive a whole weight update, then make its version live")
-    async def weights_update(body: WeightUpdateRequest) -> WeightUpdateResponse:
+    async def weights_update(body: WeightUpdateRequest, request: Request) -> WeightUpdateResponse:
         current = service.receiver.group_id if service.receiver else None
         if body.group_id != current:
             raise HTTPException(409, f"not in weight-sync group {body.group_id} (in {current}); POST /weights/init first")
-        try:
-            num_tensors, num_bytes, seconds = await service.update_weights(version=body.version, mode=body.mode)
+        try:  # the trainer hanging up (its process killed) ends the receive at once, even one stuck in NCCL
+            num_tensors, num_bytes, seconds = await service.update_weights(version=body.version, mode=body.mode, hangup=disconnected(request))
         except (RuntimeError, OSError) as error:
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
         return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)

@@ -1,4 +1,5 @@
-"""A request whose client hangs up is cancelled: its generations are aborted, never run for nobody."""
+"""A request whose client hangs up is cancelled: its generations are aborted, never run for nobody (and a
+trainer that hangs up mid weight update has that update given up)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ T = TypeVar("T")
 async def until_done_or_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Awaits `work`; if the client hangs up first, cancels it (aborting its generations)."""
     work_task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_disconnected(request))
+    watch = asyncio.create_task(disconnected(request))
     try:
         await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -32,6 +33,7 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
+    """Returns once the client hangs up (its request body already read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

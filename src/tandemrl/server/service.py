@@ -3,7 +3,8 @@ updates, sleep/wake, readiness and metrics, over any Generator.
 
 Invariants: no request reaches the generator while a drain-mode update or sleep holds the gate; a
 weight update is received whole into staging before one `update_weights` call makes it live; a failed
-sync keeps the previous version and the server keeps serving.
+sync keeps the previous version and the server keeps serving; a receive ends within the group's
+timeout (sooner when the trainer hangs up), even when its thread is stuck in a collective.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from tandemrl.weights.group import WeightReceiver
 
 log = logging.getLogger(__name__)
 JOIN_SLACK_S = 5.0  # past the group's own timeout, the server stops waiting for torch's rendezvous
+RECEIVE_SLACK_S = 2.0  # past the group's own timeout of no progress, the server gives up on a receive stuck in a collective
+WATCH_S = 0.1  # how often a receive in flight is checked for a stall
 
 
 
@@ -232,10 +235,12 @@ class RolloutService:
             self.receiver.adopt(spec["group_id"], group)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
 
-    async def update_weights(self, *, version: int, mode: str) -> tuple[int, int, float]:
+    async def update_weights(self, *, version: int, mode: str, hangup: Awaitable[Any] | None = None) -> tuple[int, int, float]:
         """Receives a whole update, then makes `version` live. Returns (tensors, bytes, seconds).
 
         On a failed transfer the staging is dropped, the previous version stays live, and the error is raised.
+        `hangup` completes when the trainer that announced the update hangs up (its process died): the
+        receive is then given up at once.
         """
         assert self.receiver is not None
         async with self._update_lock:
@@ -243,7 +248,7 @@ class RolloutService:
             start = time.perf_counter()
             try:
                 try:
-                    staging = await asyncio.to_thread(self.receiver.receive)
+                    staging = await self._receive(hangup)
                 except Exception as error:
                     self.counters.weight_syncs["failed"] += 1
                     log.error("weight sync to version %d failed (%s); keeping version %d and serving", version, error, self.generator.version)
@@ -258,6 +263,41 @@ class RolloutService:
             num_bytes = sum(t.numel() * t.element_size() for _, t in staging)
             log.info("policy version %d live (%d tensors, %.1f MB, %.2f s, %s)", version, len(staging), num_bytes / 2**20, seconds, mode)
             return len(staging), num_bytes, seconds
+
+    async def _receive(self, hangup: Awaitable[Any] | None) -> list:
+        """The update's tensors, received in a daemon thread. Given up (the group closed, which aborts its
+        collectives, and the thread left behind) once the trainer hangs up or the receive has made no
+        progress for the group's timeout + RECEIVE_SLACK_S: an NCCL collective whose peer died may never
+        complete, nor return the thread that waits in it, and the server must not wait with it."""
+        assert self.receiver is not None
+        receiving = in_daemon_thread(self.receiver.receive, name="weight-sync-receive")
+        watch = asyncio.ensure_future(self._watch_receive(hangup))
+        try:
+            await asyncio.wait({receiving, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not receiving.done():
+                watch.result()  # raises why the receive is given up
+            return receiving.result()
+        except BaseException:
+            receiving.cancel()  # a late outcome is dropped, never applied
+            self.receiver.close()  # ends the receive's waits; aborts the group in a thread of its own
+            raise
+        finally:
+            watch.cancel()
+
+    async def _watch_receive(self, hangup: Awaitable[Any] | None) -> None:
+        """Raises ConnectionError once the trainer hangs up, TimeoutError once the receive stalls."""
+        assert self.receiver is not None
+        gone = asyncio.ensure_future(hangup) if hangup is not None else None
+        try:
+            while True:
+                if gone is not None and gone.done():
+                    raise ConnectionError("the trainer hung up mid-update (its process died or it gave up)")
+                if self.receiver.stalled_s() > self.receiver.timeout_s + RECEIVE_SLACK_S:
+                    raise TimeoutError(f"no progress for {self.receiver.stalled_s():.0f} s (the trainer died or stalled)")
+                await (asyncio.wait({gone}, timeout=WATCH_S) if gone is not None else asyncio.sleep(WATCH_S))
+        finally:
+            if gone is not None:
+                gone.cancel()
 
     async def _apply(self, staging: list, *, version: int, mode: str) -> None:
         if mode == "pause":  # the generator freezes its running requests between decode steps

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 JOIN_SLACK_S = 5.0  # past the group's own timeout, the trainer stops waiting for torch's rendezvous
+CANCEL_GRACE_S = 5.0  # how long a failed update waits for its send to notice the cancel
 
 
 class DistributedSync:
@@ -89,14 +90,17 @@ class DistributedSync:
         body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id}
         updates = asyncio.ensure_future(self.client.announce_update(body, timeout_s=self.config.weight_sync_timeout_s))
         cancel = threading.Event()
-        send = asyncio.ensure_future(asyncio.to_thread(self.sender.send, weights, cancel=cancel))
+        send = in_daemon_thread(functools.partial(self.sender.send, weights, cancel=cancel), name="weight-sync-send")
         try:
             await asyncio.wait({send, updates}, return_when=asyncio.FIRST_EXCEPTION)
             if updates.done() and updates.exception() is not None:
                 cancel.set()
-                await asyncio.wait({send})
-                if not send.cancelled():
+                # the send polls `cancel`; one stuck in a collective on the dead server is left behind (the
+                # group is aborted by the caller)
+                await asyncio.wait({send}, timeout=CANCEL_GRACE_S)
+                if send.done():
                     send.exception()  # retrieved: the server's answer is the error to raise
+                send.cancel()
                 updates.result()
             await send
             await updates

@@ -11,8 +11,9 @@ each; then the end mark (gloo). An update is windows until one marked last.
 Invariants: every collective has a deadline (--weight_sync_timeout_s of no progress), and no thread
 ever blocks inside an NCCL wait: completion is polled, so a dead peer is an error within the deadline
 (at once where the gloo end mark sees the peer's socket close), never a hang, and no CUDA stream is
-made to wait on a kernel that may never end. A receiver returns every tensor of an update or raises,
-never a part. A group is torn down in a daemon thread of its own: an NCCL communicator with a dead peer
+made to wait on a kernel that may never end; closing a group (from any thread) ends every wait in it,
+and a server also gives up on a receive stuck elsewhere (service.py). A receiver returns every tensor
+of an update or raises, never a part. A group is torn down in a daemon thread of its own: an NCCL communicator with a dead peer
 can take long to abort, and that must never block a caller (a server's event loop). Groups are built
 from a TCPStore directly (no default process group), so they coexist with the trainer's FSDP group and
 an engine's tensor-parallel group, and are re-formed when a server restarts.
@@ -89,6 +90,8 @@ class _Group:
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device if transport == "nccl" else torch.device("cpu")  # where payload buffers live
+        self.closed = threading.Event()  # set by close(): every wait in this group ends with an error
+        self.progress_at = time.monotonic()  # when a collective of this group last completed (or a wait began)
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, self.timeout)
         self.payload = self.control
         if transport == "nccl":
@@ -107,19 +110,22 @@ class _Group:
     def finish(self, works: Iterable[dist.Work], *, watch: dist.Work | None = None, cancel: threading.Event | None = None) -> None:
         """Returns once every work completed, polling: raises a work's error, TimeoutError after
         timeout_s without progress, the watch's error as soon as it fails (a gloo op whose peer died),
-        or ConnectionError once `cancel` is set."""
-        pending, last = collections.deque(works), time.monotonic()
+        or ConnectionError once `cancel` is set or the group is closed (by whoever gave up on the wait)."""
+        pending = collections.deque(works)
+        self.progress_at = last = time.monotonic()
         try:
             while pending:
                 if pending[0].is_completed():
                     pending.popleft().wait(self.timeout)  # raises the collective's error, else returns at once
-                    last = time.monotonic()
+                    self.progress_at = last = time.monotonic()
                     continue
                 if watch is not None and watch.is_completed():
                     watch.wait(self.timeout)
                     watch = None
                 if cancel is not None and cancel.is_set():
                     raise ConnectionError("cancelled: a server failed the update")
+                if self.closed.is_set():
+                    raise ConnectionError("cancelled: the weight-sync group was closed")
                 if time.monotonic() - last > self.timeout_s:
                     raise TimeoutError(f"no progress for {self.timeout_s:g} s (a peer died or stalled)")
                 time.sleep(POLL_S)
@@ -167,6 +173,7 @@ class _Group:
     def close(self) -> threading.Thread:
         """Aborts (NCCL) and releases the process groups in a daemon thread, returned: only a process about
         to exit waits for it (torch's threads must be joined before the interpreter tears down)."""
+        self.closed.set()
         groups = [g for g in dict.fromkeys([self.payload, self.control]) if g is not None]
         self.payload = self.control = None
         thread = threading.Thread(target=_release, args=(groups, self.transport == "nccl"), name="weight-sync-release", daemon=True)
@@ -294,6 +301,7 @@ class WeightReceiver:
         self.device = device
         self.group_id: str | None = None
         self._group: _Group | None = None
+        self._lock = threading.Lock()  # a receive left behind and the server's event loop may both drop the group
         self._ipc_buffers: list[tuple[Tensor, dict[str, Any]]] = []  # per window: a staging buffer the trainer writes, its handle
 
     def join(self, spec: dict[str, Any]) -> None:
@@ -314,11 +322,23 @@ class WeightReceiver:
     def adopt(self, group_id: str, group: _Group) -> None:
         self._group, self.group_id = group, group_id
 
+    def stalled_s(self) -> float:
+        """Seconds since the group's last completed collective (0 without a group): a server gives up on a
+        receive stuck past the group's timeout, wherever the receiving thread is blocked."""
+        group = self._group
+        return 0.0 if group is None else time.monotonic() - group.progress_at
+
+    @property
+    def timeout_s(self) -> float:
+        return self._group.timeout_s if self._group is not None else 0.0
+
     def receive(self) -> Named:
         """Every tensor of one update, staged apart from the live weights. On any failure the group is
-        dropped (a broken collective cannot be resumed) and the error raised; nothing partial escapes."""
+        dropped (a broken collective cannot be resumed) and the error raised; nothing partial escapes.
+        close() from another thread ends the receive with an error (ConnectionError)."""
         group = self._group
         assert group is not None, "receive() outside a group"
+        group.progress_at = time.monotonic()
         staging: Named = []
         try:
             for index in itertools.count():
@@ -328,7 +348,7 @@ class WeightReceiver:
                 if window.last:
                     break
         except BaseException:
-            self.close()
+            self._drop(group)
             raise
         return staging
 
@@ -354,7 +374,13 @@ class WeightReceiver:
         return buffer[: window.num_bytes]
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        self._group = None
-        self.group_id = None
+        self._drop(self._group)
+
+    def _drop(self, group: _Group | None) -> None:
+        """Closes `group` if it is still this receiver's: a receive that fails late (left behind by the
+        server) never closes the group a new trainer formed since."""
+        with self._lock:
+            if group is None or group is not self._group:
+                return
+            self._group, self.group_id = None, None
+        group.close()

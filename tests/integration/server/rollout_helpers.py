@@ -203,7 +203,7 @@ def kill_trainer_mid_sync_then_check_server(server: Server, tokenizer, model_dir
         time.sleep(0.1)
     assert server.proc.poll() is None, "the server died with its trainer:\n" + server.log_text()[-3000:]
     ready = server.get("/ready", timeout=1).json()
-    assert not ready["update_in_progress"] and ready["policy_version"] == version and ready["weight_group"] is None, ready
+    assert not ready["update_in_progress"] and ready["policy_version"] == version and ready["weight_group"] is None, (ready, server.log_text()[-3000:])
     assert f"weight sync to version {version + 1} failed" in server.log_text() and f"keeping version {version}" in server.log_text()
     after = server.post("/generate", body).json()["results"][0]
     assert after["token_ids"] == before and after["policy_versions"] == [version] * 8

@@ -133,3 +133,46 @@ def test_weights_init_keeps_its_deadline_against_a_silent_peer_and_blocks_nothin
     assert small_server.get("/ready").json()["weight_group"] is None
     assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
     del keep
+
+
+def test_a_trainer_that_hangs_up_mid_update_while_its_collectives_stay_silent_is_given_up_at_once(small_server, tiny_model_dir):
+    """As NCCL with a dead trainer: no collective fails, none completes. The trainer's announce connection
+    closing ends the update within a second (not the group's 30 s timeout); the version stays, the group
+    is left, and the server serves."""
+    import json
+
+    import torch
+
+    from tandemrl.weights.buckets import plan_windows
+    from tandemrl.weights.group import WeightSender
+
+    sender = WeightSender(sync())  # 30 s of no progress before either side gives up on its own
+    try:
+        version = small_server.get("/ready").json()["policy_version"]
+        (spec,) = sender.plan(num_servers=1, transport="gloo", master_addr="127.0.0.1")
+        join = threading.Thread(target=lambda: small_server.post("/weights/init", spec))
+        join.start()
+        sender.connect(torch.device("cpu"))
+        join.join(60)
+        body = json.dumps({"version": version + 1, "mode": "drain", "group_id": sender.group_id}).encode()
+        host, port = urlparse(small_server.url).hostname, urlparse(small_server.url).port
+        with socket.create_connection((host, port)) as announce:  # the trainer's request, held open as httpx would
+            announce.sendall(b"POST /weights/update HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            named = trainer_model(tiny_model_dir, 3).named_parameters()
+            window, _ = next(plan_windows(named, 2**16, 2**30))
+            sender._group.send_meta(window.to_json())  # the metadata, then silence: the server waits in the payload
+            deadline = time.monotonic() + 10
+            while not small_server.get("/ready", timeout=1).json()["update_in_progress"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        hung_up = time.monotonic()  # the trainer's process died: its socket closed; its gloo group (here) lives on
+        while small_server.get("/ready", timeout=1).json()["update_in_progress"] and time.monotonic() < hung_up + 10:
+            time.sleep(0.05)
+        assert time.monotonic() - hung_up < 2
+        ready = small_server.get("/ready", timeout=1).json()
+        assert ready["policy_version"] == version and ready["weight_group"] is None, ready
+        assert f"weight sync to version {version + 1} failed (the trainer hung up" in small_server.log_text()
+        assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
+    finally:
+        sender.close()

@@ -5,6 +5,8 @@ they run; a failed transfer keeps the version and hands nothing to the generator
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +41,7 @@ class ScriptedGenerator:
 
 class FakeReceiver:
     group_id = "g"
+    timeout_s = 30.0
 
     def __init__(self, fail: bool = False):
         self.fail = fail
@@ -47,6 +50,32 @@ class FakeReceiver:
         if self.fail:
             raise RuntimeError("Connection closed by peer")
         return [("w", torch.ones(2))]
+
+    def stalled_s(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        self.group_id = None
+
+
+class StuckReceiver(FakeReceiver):
+    """A receive whose thread never returns, closed or not (an NCCL collective whose peer died), and whose
+    group completed nothing for `stalled_for` seconds; the next receive works."""
+
+    def __init__(self, stalled_for: float = 0.0, timeout_s: float = 30.0):
+        super().__init__()
+        self.stalled_for, self.timeout_s, self.release, self.stuck = stalled_for, timeout_s, threading.Event(), True
+        self.start = time.monotonic()
+
+    def receive(self):
+        if self.stuck:
+            self.stuck, self.start = False, time.monotonic()
+            self.release.wait(30)
+            return [("half", torch.ones(2))]  # late: must never go live
+        return super().receive()
+
+    def stalled_s(self) -> float:
+        return self.stalled_for + time.monotonic() - self.start
 
 
 def make(log, receiver=None, max_pending=100):
@@ -109,6 +138,49 @@ def test_failed_transfer_keeps_the_version_and_hands_nothing_over():
         return log
 
     assert asyncio.run(scenario()) == ["start r3", "end r3"]
+
+
+def test_a_receive_stuck_in_a_collective_is_given_up_when_the_trainer_hangs_up_and_the_version_stays():
+    async def scenario():
+        log: list[str] = []
+        receiver = StuckReceiver()
+        gen, service = make(log, receiver)
+        hung_up = asyncio.Event()
+        update = asyncio.create_task(service.update_weights(version=1, mode="drain", hangup=hung_up.wait()))
+        await asyncio.sleep(0.2)
+        assert service.update_in_progress
+        start = time.monotonic()
+        hung_up.set()  # the trainer's process died: its HTTP request is gone, its NCCL op never completes
+        with pytest.raises(ConnectionError, match="hung up"):
+            await asyncio.wait_for(update, 5)
+        assert time.monotonic() - start < 1
+        assert gen.version == 0 and not service.update_in_progress and receiver.group_id is None
+        assert service.counters.weight_syncs["failed"] == 1
+        receiver.release.set()  # the stuck thread returns at last: its tensors are dropped
+        await asyncio.sleep(0.1)
+        receiver.group_id = "g2"  # a new trainer's group; its update goes live
+        await asyncio.wait_for(service.update_weights(version=1, mode="drain"), 5)
+        return log
+
+    assert asyncio.run(scenario()) == ["update ['w'] -> 1"]
+
+
+def test_a_receive_that_makes_no_progress_past_the_groups_timeout_is_given_up(monkeypatch):
+    import tandemrl.server.service as service_module
+
+    monkeypatch.setattr(service_module, "RECEIVE_SLACK_S", 0.0)
+
+    async def scenario():
+        receiver = StuckReceiver(timeout_s=0.3)  # a stalled trainer: alive, connected, sending nothing
+        gen, service = make([], receiver)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no progress"):
+            await asyncio.wait_for(service.update_weights(version=1, mode="drain"), 5)
+        assert 0.3 <= time.monotonic() - start < 1.5
+        assert gen.version == 0 and not service.update_in_progress and receiver.group_id is None
+        receiver.release.set()
+
+    asyncio.run(scenario())
 
 
 def test_full_queue_is_busy_not_unbounded():

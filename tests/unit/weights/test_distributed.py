@@ -136,7 +136,7 @@ def test_a_group_is_torn_down_in_a_thread_of_its_own_so_a_stuck_nccl_abort_never
             stuck.wait(30)
 
     group = object.__new__(_Group)
-    group.transport, group.payload, group.control = "nccl", StuckPG(), StuckPG()
+    group.transport, group.payload, group.control, group.closed = "nccl", StuckPG(), StuckPG(), threading.Event()
     start = time.monotonic()
     group.close()
     assert time.monotonic() - start < 0.5 and group.payload is None and group.control is None
@@ -159,7 +159,7 @@ def test_a_collective_that_makes_no_progress_is_a_timeout_and_a_failed_watch_end
                 raise self.error
 
     group = object.__new__(_Group)
-    group.timeout_s, group.timeout = 0.3, None
+    group.timeout_s, group.timeout, group.closed = 0.3, None, threading.Event()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="no progress"):
         group.finish([Work()])
@@ -172,3 +172,27 @@ def test_a_collective_that_makes_no_progress_is_a_timeout_and_a_failed_watch_end
     cancel.set()
     with pytest.raises(ConnectionError, match="cancelled"):
         group.finish([Work()], cancel=cancel)
+    threading.Timer(0.1, group.closed.set).start()  # close() from another thread: a server gave up on the receive
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="group was closed"):
+        group.finish([Work()])
+    assert time.monotonic() - start < 0.3
+
+
+def test_a_receive_that_fails_late_never_closes_the_group_formed_after_it():
+    closed: list[str] = []
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    receiver = WeightReceiver(torch.device("cpu"))
+    old = Group("old")
+    receiver.adopt("old", old)
+    receiver.close()  # the server gave up on the receive in `old`
+    receiver.adopt("new", Group("new"))  # a new trainer joined
+    receiver._drop(old)  # the receive left behind fails at last
+    assert closed == ["old"] and receiver.group_id == "new"

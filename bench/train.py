@@ -13,6 +13,7 @@ to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step t
 
     python bench/train.py --models 0.5b,1.5b --full_step
     python bench/train.py --models 0.5b --variants ';triton_logprobs=false'  # ours twice: defaults (Triton head), torch head
+    python bench/train.py --models 0.5b --only ours --liger --variants 'torch_compile=false;'  # Liger's RMSNorm/RoPE/SwiGLU
 """
 
 from __future__ import annotations
@@ -269,18 +270,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no_compile", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--liger", action="store_true", help="Liger Kernel's RMSNorm, RoPE and SwiGLU patched into transformers' Qwen2 before any model "
+        "is built (the whole process: run it beside a plain process for the A/B; e.g. --variants 'torch_compile=false;')"
+    )  # fmt: skip
     parser.add_argument("--full_step", action="store_true")
     parser.add_argument("--full_steps", type=int, default=6)
     parser.add_argument("--train_flags", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     num_tokens = PROMPTS * GENERATIONS * (PROMPT + COMPLETION)
+    if args.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     for shape in args.models.split(","):
         flops = model_flops(build_model(shape, device="meta"), num_tokens, PROMPT + COMPLETION)
         results = {}
         for system in [s for s in args.only.split(",") if s]:
             configs = [(int(b), int(c), v) for b in args.budgets.split(",") for c in args.chunks.split(",") for v in args.variants.split(";")]
             for budget, chunk, variant in configs if system == "ours" else [(None, None, "")]:
-                name = f"{system} {variant}".strip()
+                name = f"{system}{'+liger' if args.liger else ''} {variant}".strip()
                 if system == "ours":
                     out = run_ours(shape, budget, chunk, args, parse_variant(variant))
                 else:
@@ -292,7 +301,7 @@ def main() -> None:
                 out["seconds"], out["peak_gib"] = round(out["seconds"], 3), round(out["peak_gib"], 2)
                 print(json.dumps({"model": shape, "system": name, "budget": budget, **out}), flush=True)
                 results.setdefault(name, out)
-        baseline = results.pop("baseline", None)
+        baseline = results.pop("baseline+liger" if args.liger else "baseline", None)
         for name, out in results.items() if baseline else ():
             ratio = baseline["seconds"] / out["seconds"]
             print(f"ratio {shape} train phase: {name} {out['seconds']:.3f} s vs baseline {baseline['seconds']:.3f} s = {ratio:.2f}x", flush=True)

@@ -6,7 +6,9 @@ scratch block never handed out (padded rows of a CUDA graph write their KV there
 update `reset_prefix_cache` forgets every hash, so no later request reuses KV of old weights.
 A sequence's decoded blocks are hashed when it leaves (finished or preempted), once every position
 of the block has its KV, so the next turn of a conversation (prompt + this completion + more) reuses
-them; a sequence that lived across a reset (two weight versions in its KV) hashes nothing.
+them; a sequence that lived across a reset (two weight versions in its KV) hashes nothing. Its last,
+partly written block is kept too (keyed by the hash of the blocks before it): a next turn that owns
+the block then computes only the positions after its written head (a free block alone: it is written).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from tandemrl.generation.engine.sequence import Sequence
 
 NULL_BLOCK = 0
+PARTIAL = -1  # hash((parent, PARTIAL)): the key of a partly written block after the blocks hashed `parent`
 
 
 @dataclass(slots=True)
@@ -72,8 +75,14 @@ class BlockManager:
         for i, (block_hash, chunk) in enumerate(hashes):
             block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
             if miss or i >= full_hit_limit or block_id == -1 or self.blocks[block_id].token_ids != chunk:
+                # the first block computed may start with a written head; a follower copies its leader's block
+                block_id = -1 if miss or allow_full_hit else self._take_partial(hashes[i - 1][0] if i else 0, chunk)
                 miss = True
-                block_id = self.take_fresh()
+                if block_id == -1:
+                    block_id = self.take_fresh()
+                else:
+                    seq.num_cached_tokens += len(self.blocks[block_id].token_ids)
+                    self._forget(block_id)  # its tail is written now: no longer what its key says
             else:
                 seq.num_cached_tokens += size
                 block_id = self._take(block_id) if block_id in self.free else self._share(block_id)
@@ -82,6 +91,17 @@ class BlockManager:
                 block.hash, block.token_ids = block_hash, chunk
                 self.hash_to_block[block_hash] = block_id
             seq.block_table.append(block_id)
+
+    def _take_partial(self, parent: int, chunk: tuple[int, ...]) -> int:
+        """A free block whose written head starts `chunk` (after the blocks hashed `parent`), taken; -1 if
+        none. At least one position of `chunk` stays to compute (the last token's logits come from it)."""
+        block_id = self.hash_to_block.get(hash((parent, PARTIAL)), -1)
+        if block_id == -1 or block_id not in self.free:
+            return -1
+        head = self.blocks[block_id].token_ids
+        if len(head) >= len(chunk) or chunk[: len(head)] != head:
+            return -1
+        return self._take(block_id)
 
     def _take(self, block_id: int) -> int:
         del self.free[block_id]
@@ -119,15 +139,26 @@ class BlockManager:
 
     def _hash_written_blocks(self, seq: Sequence) -> None:
         """Hashes the full blocks of `seq` whose KV is all written: every position but the last token's
-        (sampled, never run through the model). A hash already cached elsewhere keeps its block."""
-        size, parent = self.block_size, 0
-        for i in range(min((seq.num_tokens - 1) // size, len(seq.block_table))):
+        (sampled, never run through the model), and keys its partly written block after them (PARTIAL).
+        A hash already cached elsewhere keeps its block. A block hashed at admission holds its hash in
+        this chain already (a prompt's full blocks): only the blocks after it are hashed here."""
+        size, parent, written = self.block_size, 0, seq.num_tokens - 1
+        num_full = min(written // size, len(seq.block_table))
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != -1:
+                parent = block.hash
+                continue
             chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
             parent = hash((parent, chunk))
-            block = self.blocks[seq.block_table[i]]
-            if block.hash == -1 and parent not in self.hash_to_block:
+            if parent not in self.hash_to_block:
                 block.hash, block.token_ids = parent, chunk
                 self.hash_to_block[parent] = block.block_id
+        if num_full < len(seq.block_table) and written > num_full * size:
+            block = self.blocks[seq.block_table[num_full]]
+            if block.hash == -1 and block.ref_count == 1:  # never a shared block: its next owner writes its tail
+                block.hash, block.token_ids = hash((parent, PARTIAL)), tuple(seq.token_ids[num_full * size : written])
+                self.hash_to_block[block.hash] = block.block_id
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the token at position num_tokens - 1 (written by the next decode)."""

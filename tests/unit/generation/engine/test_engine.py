@@ -307,8 +307,9 @@ def test_first_tokens_of_many_seeded_requests_follow_the_softmax(family_dirs):
 
 
 def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(family_dirs):
-    """Multi-turn: turn 2's prompt is turn 1's prompt + completion + more; the decoded full blocks of
-    turn 1 are prefix hits, and turn 2's tokens equal those of an engine with nothing cached."""
+    """Multi-turn: turn 2's prompt is turn 1's prompt + completion + more; every position turn 1 wrote
+    (its decoded full blocks, and the written head of its last block) is reused, and turn 2's tokens
+    equal those of an engine with nothing cached."""
     engine, fresh = make_engine(family_dirs["qwen2"], block_size=4), make_engine(family_dirs["qwen2"], block_size=4)
     try:
         prompt = engine.tokenizer.encode("the answer is")
@@ -317,7 +318,7 @@ def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(
         hits = engine.stats()["engine/num_prefix_hit_tokens"]
         second = run(engine.generate(second_prompt, GREEDY))
         reused = engine.stats()["engine/num_prefix_hit_tokens"] - hits
-        assert reused == (len(prompt) + len(first.token_ids) - 1) // 4 * 4 > len(prompt)
+        assert reused == len(prompt) + len(first.token_ids) - 1  # all but the last sampled token
         assert second.token_ids == run(fresh.generate(second_prompt, GREEDY)).token_ids
     finally:
         run(engine.close())

@@ -83,7 +83,52 @@ def test_a_finished_sequences_decoded_blocks_serve_its_next_turn():
     blocks.deallocate(turn)
     next_turn = seq(turn.token_ids + [7, 7, 7, 7, 7])
     blocks.allocate(next_turn)
-    assert next_turn.num_cached_tokens == 8 and next_turn.block_table[:2] == table[:2]  # block 2 holds the unwritten position 10
+    # block 2's written head (positions 8, 9) is reused too; position 10 (the last sampled token) is computed
+    assert next_turn.num_cached_tokens == 10 and next_turn.block_table[:3] == table
+    assert not any(b.token_ids and len(b.token_ids) < 4 for b in blocks.blocks)  # the taken head's key is gone
+
+
+def decoded_turn(blocks: BlockManager, prompt: list[int], num_decoded: int) -> Sequence:
+    turn = seq(prompt)
+    blocks.allocate(turn)
+    for token in range(100, 100 + num_decoded):
+        turn.token_ids.append(token)
+        blocks.may_append(turn)
+    blocks.deallocate(turn)
+    return turn
+
+
+def test_a_written_head_leaves_at_least_one_token_to_compute():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    turn = decoded_turn(blocks, list(range(5)), 6)  # 11 tokens, positions 0..9 written
+    again = seq(turn.token_ids)  # the same context again: its last token's logits must be computed
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 10
+    other = decoded_turn(blocks, list(range(5)), 3)  # 8 tokens: blocks 0 full, block 1 head of 3 positions
+    shorter = seq(other.token_ids[:7])  # the head covers the whole last block: computed, not reused
+    blocks.allocate(shorter)
+    assert shorter.num_cached_tokens == 4
+
+
+def test_a_written_head_is_reused_only_from_a_free_block_and_never_by_a_follower():
+    blocks = BlockManager(num_blocks=12, block_size=4)
+    turn = decoded_turn(blocks, list(range(5)), 6)
+    follower = seq(turn.token_ids + [7])
+    blocks.allocate(follower, allow_full_hit=True)  # a follower copies its leader's last block instead
+    assert follower.num_cached_tokens == 8
+    owner = seq(turn.token_ids + [7])
+    blocks.allocate(owner)
+    assert owner.num_cached_tokens == 10
+    rival = seq(turn.token_ids + [8])  # the head's block is owned (and being written) now
+    blocks.allocate(rival)
+    assert rival.num_cached_tokens == 8 and rival.block_table[2] != owner.block_table[2]
+    blocks.reset_prefix_cache()
+    decoded = decoded_turn(blocks, list(range(5)), 6)
+    blocks.reset_prefix_cache()
+    assert not blocks.hash_to_block
+    later = seq(decoded.token_ids + [7])
+    blocks.allocate(later)
+    assert later.num_cached_tokens == 0
 
 
 def test_a_sequence_that_lived_across_a_reset_hashes_nothing():

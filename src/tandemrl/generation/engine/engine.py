@@ -44,7 +44,7 @@ from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
 from tandemrl.generation.engine.sleep import DroppableWeights
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
-from tandemrl.generation.tick import TickBatcher
+from tandemrl.generation.tick import Outbox, TickBatcher
 from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class Engine:
         # step's batch is then a function of what was submitted, not of thread timing, and a synchronous
         # pipeline (all of a step's requests at once) is bitwise reproducible, resume included
         self._this_tick: TickBatcher[Sequence] = TickBatcher(self._add_many)
+        # the way back: completions (and failures) reach their loops at the end of each step-lock hold,
+        # one wake-up a loop, not one a request (written under the step lock only)
+        self._outbox = Outbox()
         self._streaming: set[Sequence] = set()  # engine thread only: unfinished sequences with on_token
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
@@ -158,7 +161,7 @@ class Engine:
             params,
             seed=seed32(params.seed if params.seed is not None else next(self._seeds)),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
-            on_finish=lambda completion: _resolve_threadsafe(loop, future, completion),
+            on_finish=lambda completion: self._outbox.put(loop, future, completion),
             on_token=None if on_token is None else lambda token_id: loop.call_soon_threadsafe(on_token, token_id),
         )
         self._this_tick.add(seq)
@@ -337,7 +340,7 @@ class Engine:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._num_exclusive == 0)
-            with self._step_lock:
+            with self._step_lock, self._delivering():
                 events, closed = self._take_inbox(), self._closed  # read once: close() may flip it meanwhile
                 self._apply(events)
                 # after a level-2 sleep nothing runs until every weight is back (never a step on zeros)
@@ -500,7 +503,7 @@ class Engine:
         with self._cond:
             self._num_exclusive += 1
         try:
-            with self._step_lock, self._on_device():
+            with self._step_lock, self._on_device(), self._delivering():
                 self._guarded(self._finish_ahead)
                 yield
         finally:
@@ -508,6 +511,14 @@ class Engine:
                 self._num_exclusive -= 1
                 self._cond.notify_all()
             self._wake.set()
+
+    @contextlib.contextmanager
+    def _delivering(self) -> Iterator[None]:
+        """Hands the outbox's results to their loops when the block ends (however it ends)."""
+        try:
+            yield
+        finally:
+            self._outbox.flush()
 
     # --- sizing and validation -----------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -548,16 +559,3 @@ def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
         return frozenset([tokenizer.eos_token_id])
     eos = getattr(hf_config, "eos_token_id", None)
     return frozenset([eos] if isinstance(eos, int) else eos or [])
-
-
-def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
-    def resolve() -> None:
-        if future.done():
-            return
-        if isinstance(result, Exception):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
-        loop.call_soon_threadsafe(resolve)

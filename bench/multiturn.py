@@ -139,12 +139,28 @@ def timed(label: str, engine: Engine, make, config: dict) -> dict:
     prefill = {k.split("/")[1]: int(after[k] - before[k]) for k in counters}
     # the engine thread's seconds by phase (prefill_s is part of prepare_s + device_wait_s); wall time
     # past their sum is time the engine had nothing to run: the turn boundaries' cost
-    phases = ("prepare_s", "device_wait_s", "schedule_s", "postprocess_s", "prefill_s", "gpu_s")
-    prefill |= {k: round(after[f"engine/{k}"] - before[f"engine/{k}"], 3) for k in phases}
+    phases = ("prepare_s", "device_wait_s", "schedule_s", "postprocess_s", "prefill_s", "prefill_gpu_s", "gpu_s")
+    prefill |= {k: round(after.get(f"engine/{k}", 0.0) - before.get(f"engine/{k}", 0.0), 3) for k in phases}  # .get: older trees (bench/ab.py)
     row = {"mode": label, **config, **counts, **prefill, "seconds": round(seconds, 3),
            "tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "tool_calls_per_s": round(counts["tool_calls"] / seconds, 1)}
     print(json.dumps(row), flush=True)
     return row
+
+
+def profile(make, device: str) -> None:
+    """One untimed multiturn run under torch.profiler; prints the kernels that took the most device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    try:  # the engine's ops run in its own thread
+        config = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        config = {}
+    with profiler(activities=activities, **config) as prof:
+        asyncio.run(make())
+    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
 
 
 def main() -> None:
@@ -155,6 +171,7 @@ def main() -> None:
     parser.add_argument("--group_size", type=int, default=None)
     parser.add_argument("--turn_tokens", type=int, default=None)
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
+    parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     args = parser.parse_args()
     shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else ("0.5b", 64, 8, 128)
     num_prompts, group_size, turn_tokens = args.num_prompts or num_prompts, args.group_size or group_size, args.turn_tokens or turn_tokens
@@ -173,6 +190,8 @@ def main() -> None:
     single = timed("single_turn", engine, lambda small: run_single_turn(engine, part(small), group_size, turn_tokens), config)
     multi = timed("multiturn", engine, lambda small: run_multiturn(engine, part(small), group_size, turn_tokens, mt, tokenizer), config)
     naive = timed("turn_at_a_time", engine, lambda small: run_turn_at_a_time(engine, part(small), group_size, turn_tokens, mt), config)
+    if args.profile:
+        profile(lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), args.device)
     asyncio.run(engine.close())
     kept = multi["tokens_per_s"] / single["tokens_per_s"]
     print(f"multiturn / single_turn tokens/s: {kept:.2f} (required >= 0.70: {'met' if kept >= 0.7 else 'NOT met'})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.generation.base import Generator
-from tandemrl.rollout.chat import ChatFormat
+from tandemrl.rollout.chat import ChatFormat, decoder_of
 from tandemrl.rollout.env import Env
 from tandemrl.types import Completion, Example, FinishReason, Message, Rollout, RolloutStatus, SamplingParams, TokenTrace, Turn
 
@@ -42,7 +42,7 @@ async def play(
     return Rollout(
         example=example,
         trace=trace,
-        completion_text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+        completion_text=decoder_of(tokenizer)(completion.token_ids, skip_special_tokens=True),
         finish_reason=completion.finish_reason,
         status=_status(completion.finish_reason),
         turns=[_turn(0, completion, generator)],
@@ -56,6 +56,7 @@ async def _play_turns(
     turn hits its token limit, when the environment's answer would pass max_total_tokens, or when the
     environment still answers after max_turns (that answer is then not played)."""
     trace, messages, turns = TokenTrace(), [], []
+    decode = decoder_of(tokenizer)
     trace.append_context(prompt_ids)
     if mt.chat.end_of_turn_id is not None:  # a turn ends where the template closes an assistant message
         params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, mt.chat.end_of_turn_id))
@@ -67,7 +68,7 @@ async def _play_turns(
         completion = await generator.generate(list(trace.token_ids), dataclasses.replace(params, max_tokens=min(params.max_tokens, room)))
         turns.append(_turn(len(trace.token_ids), completion, generator))
         trace.append_sampled(completion)
-        messages.append({"role": "assistant", "content": tokenizer.decode(completion.token_ids, skip_special_tokens=True)})
+        messages.append({"role": "assistant", "content": decode(completion.token_ids, skip_special_tokens=True)})
         finish = completion.finish_reason
         if finish != "stop":
             break
@@ -83,7 +84,7 @@ async def _play_turns(
     return Rollout(
         example=example,
         trace=trace,
-        completion_text=tokenizer.decode(trace.token_ids[len(prompt_ids) :]),
+        completion_text=decode(trace.token_ids[len(prompt_ids) :]),
         finish_reason=finish,
         status=_status(finish),
         messages=messages,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandemrl.rollout.chat import ChatFormat, HermesParser
+from tandemrl.rollout.chat import ChatFormat, HermesParser, decoder_of
 from tandemrl.rollout.env import ToolEnv
 from tandemrl.rollout.run import MultiTurn, play
 from tandemrl.rollout.tools import ToolBox, python_tool
@@ -238,3 +238,19 @@ def test_the_tool_waits_of_a_groups_rollouts_overlap(tiny_tokenizer):
                                    group_size=16, tokenizer=tiny_tokenizer, seed=0, multi_turn=mt))
     assert [len(r.turns) for r in group.rollouts] == [3] * 16
     assert log == ["start"] * 16 + ["end"] * 16 + ["start"] * 16 + ["end"] * 16
+
+
+def test_the_rollouts_decoder_decodes_as_the_tokenizer_does(tiny_tokenizer):
+    ids = encode(tiny_tokenizer, "<|im_start|>assistant\nthe answer is 42<|im_end|>\n") + [5, 999]  # 999: out of vocab
+    decode = decoder_of(tiny_tokenizer)
+    assert decode is not tiny_tokenizer.decode  # the shortcut is taken for a plain transformers tokenizer
+    for skip in (False, True):
+        assert decode(ids, skip_special_tokens=skip) == tiny_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert decode(ids) == tiny_tokenizer.decode(ids)
+
+    class Overriding(type(tiny_tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return "overridden"
+
+    overriding = Overriding.__new__(Overriding)
+    assert decoder_of(overriding)([1]) == "overridden"

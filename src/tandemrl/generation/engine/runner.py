@@ -38,6 +38,7 @@ class StepTimes:
     gpu_s: float = 0.0  # device busy time from first launch to sampled tokens (CUDA events), 0 on CPU
     num_prefill_steps: int = 0  # of num_steps, those that computed prompt tokens
     prefill_s: float = 0.0  # wall time of those steps (prepare + wait), included in the two above
+    prefill_gpu_s: float = 0.0  # of those steps, device time from the forward's launch to sampled tokens (CUDA events), 0 on CPU
     schedule_s: float = 0.0  # written by the engine: scheduler.schedule() and schedule_ahead(), launches excluded
     postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
@@ -76,7 +77,8 @@ class ModelRunner:
         if self.is_cuda:  # sampled ids and logprobs land here, both in one wait
             self._host_ids = torch.empty(2, self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
             self._host_logprobs = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
-            self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2)]  # start, sampled, on host
+            # start, sampled, on host, and a prefill's forward launched (after its host-built inputs)
+            self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(2)]
 
     # --- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -126,7 +128,7 @@ class ModelRunner:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
             self._penalised = None
             sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
-            logits = self._prefill(batch)
+            logits = self._prefill(batch, slot)
             token_ids, logprobs = self._sample(logits, sampling)
         else:
             token_ids, logprobs, logits = self._decode(batch.seqs)
@@ -150,6 +152,8 @@ class ModelRunner:
             events = self._events[launched.slot]
             events[2].synchronize()
             self.times.gpu_s += events[0].elapsed_time(events[1]) / 1000
+            if launched.is_prefill:
+                self.times.prefill_gpu_s += events[3].elapsed_time(events[1]) / 1000
         token_list, logprob_list = launched.token_ids.tolist(), launched.logprobs.tolist()
         waited = time.perf_counter() - start
         self.times.num_steps += 1
@@ -159,7 +163,7 @@ class ModelRunner:
             self.times.prefill_s += launched.prepare_s + waited
         return token_list, logprob_list
 
-    def _prefill(self, batch: ScheduledBatch) -> Tensor:
+    def _prefill(self, batch: ScheduledBatch, slot: int) -> Tensor:
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
         input_ids, positions = [], []
         for seq, n in computing:
@@ -172,6 +176,8 @@ class ModelRunner:
         last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(self.device)  # [B_computing]
         copies = self.block_copy_slots(batch.block_copies) if batch.block_copies else None
         rows = torch.tensor(batch.sample_rows, device=self.device) if len(computing) != len(batch.seqs) else None
+        if self.is_cuda:
+            self._events[slot][3].record()
         hidden = self.model(ids, pos, meta)  # [N, E]
         logits = self.model.compute_logits(hidden[last])  # [B_computing, V]
         if copies is not None:

@@ -119,6 +119,7 @@ def test_group_of_equal_prompts_prefills_the_prompt_once(family_dirs):
     assert stats["engine/kv_blocks_used"] == 0
     assert stats["engine/num_prefill_steps"] == 1 and stats["engine/num_steps"] == 6  # one prefill, then 5 decodes
     assert 0 < stats["engine/prefill_s"] <= stats["engine/prepare_s"] + stats["engine/device_wait_s"]
+    assert stats["engine/prefill_gpu_s"] == 0.0  # CUDA events only
     run(engine.close())
 
 

@@ -17,7 +17,7 @@ import torch
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
-from tandemrl.cli.ranks import Silent, start_ranks
+from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
 from tandemrl.config import SAMPLING_KEYS, TrainConfig
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
@@ -25,7 +25,7 @@ from tandemrl.data.prompts import check_prompt_length, encode_prompt
 from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.pipeline.evaluate import EvalSet
-from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
+from tandemrl.pipeline.loop import LoopParts, LoopSettings, publish_policy, run_loop
 from tandemrl.rewards.base import RewardFunc, load_reward_funcs
 from tandemrl.rewards.judge import build_judge
 from tandemrl.rollout.chat import ChatFormat
@@ -34,10 +34,11 @@ from tandemrl.rollout.run import MultiTurn
 from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state, sharded_optimizer
-from tandemrl.train.distributed import DataParallel, close_data_parallel
+from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Example, SamplingParams
 from tandemrl.weights.base import build_weight_sync
+from tandemrl.weights.sharded import ShardedSync
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def run(config: TrainConfig) -> Path:
     judge_generator, judge = _judge(config)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
-    early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled else None
+    early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
     trainer = Trainer(
         config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature,
         offload=config.offload, dp=dp,
@@ -71,7 +72,7 @@ def run(config: TrainConfig) -> Path:
         cursor.load_state_dict(state["cursor"])
         log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
     start_step = state["step"] if state is not None else 0
-    generator, sync = early or _rollout_side(config, model, tokenizer)
+    generator, sync = early or _rollout_side(config, model, tokenizer, dp=dp)
     device = next(model.parameters()).device
     if dp.is_main:
         _save_config(config, run_dir)
@@ -114,7 +115,7 @@ def _progress(config: TrainConfig, start_step: int, device: torch.device) -> Any
 
 async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig, judge_generator: Any) -> None:
     # the generator must hold the trainer's current version before the first rollout (resume, servers)
-    await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
+    await publish_policy(parts)
     try:
         async with open_tool_env(config.tools) as env:  # MCP sessions: opened once, closed when the run ends
             tools = env.tools if env is not None else None
@@ -140,7 +141,11 @@ def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     if num_ranks > 1:
         split = config.engine.tensor_parallel_size
-        where = f"{num_ranks} ranks (FSDP2{f'; engines split over {split} ranks' if split > 1 else ''}), rank 0 on {where}"
+        if config.generation.rollout_mode == "server":
+            how = "; rank 0 drives the rollout servers"
+        else:
+            how = f"; engines split over {split} ranks" if split > 1 else ""
+        where = f"{num_ranks} ranks (FSDP2{how}), rank 0 on {where}"
     autocast = ", bfloat16 autocast" if device.type == "cuda" and config.trainer.bf16 else ""
     return banner(
         model=config.run.model, num_parameters=sum(p.numel() for p in model.parameters()), task=config.run.task,
@@ -339,14 +344,22 @@ def _engine_ranks(dp: DataParallel) -> Any:
     return split_world(dp.tensor_parallel_size)
 
 
-def _rollout_side(config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "", tp: Any = None) -> tuple[Any, Any]:
+def _rollout_side(
+    config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "", tp: Any = None, dp: DataParallel = SINGLE
+) -> tuple[Any, Any]:
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator (colocated on
-    `device`, default the trainer's --device; split over the ranks of `tp` when given)."""
+    `device`, default the trainer's --device; split over the ranks of `tp` when given). Servers under
+    torchrun: rank 0's client, and every rank's share of the sharded push."""
     r = config.generation
     if r.rollout_mode == "server":
+        if dp.enabled and not dp.is_main:
+            return ServedByRankZero(), ShardedSync(None, dp, move_model_batches=config.local_sync.move_model_batches)
         remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
         generator = build_generator(remote)
-        return generator, build_weight_sync(config.distributed_sync, generator)
+        sync = build_weight_sync(config.distributed_sync, generator)
+        if dp.enabled:
+            sync = ShardedSync(sync, dp, move_model_batches=config.local_sync.move_model_batches)
+        return generator, sync
     device = device or config.trainer.device
     if r.generator == "engine":  # sized for this run: one generation round's sequences, each as long as it may get
         e = config.engine

@@ -6,12 +6,15 @@ Usage errors (bad flags, bad input files, bad values) print one line and exit wi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from tandemrl.types import RunStopped
 
 from tandemrl.cli.args import did_you_mean
 
+RANK_EXIT_GRACE_S = 10.0
 COMMANDS = {
     "train": ("tandemrl.cli.train", "train a policy by GRPO-family RL (no arguments: the embedded default)"),
     "rollout": ("tandemrl.cli.rollout", "serve a model for rollouts over HTTP, with versioned weight sync"),
@@ -41,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 2
     except RunStopped as error:
+        if os.environ.get("RANK", "0") != "0":
+            # under torchrun every rank stops at the same point for the same reason, and rank 0 says it; torchrun
+            # stops every rank once one exits, so the others give rank 0 time to print and exit first
+            time.sleep(RANK_EXIT_GRACE_S)
+            return 1
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -207,8 +207,6 @@ async def _generate_and_score(
         for p, i in enumerate(indices) if parts.dp.owns(p)
     ))  # fmt: skip
     t1 = time.perf_counter()
-    if groups and all(g.error for g in groups):  # the generator is broken (a server died or froze): stop, do not train on nothing
-        raise RunStopped(f"step {step + 1}: every rollout group failed, the first with {groups[0].error}")
     parts.progress.phase("reward")
     scored = [g for g in groups if not failed(g)]
     num_timeouts = 0
@@ -224,6 +222,8 @@ async def _generate_and_score(
     times = {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1}
     mine = iter(groups)
     groups = await _gathered(parts, [next(mine) if parts.dp.owns(p) else None for p in range(len(indices))])
+    if all(g.error for g in groups):  # the generator is broken (a server died or froze): every rank stops here
+        raise RunStopped(f"step {step + 1}: every rollout group failed, the first with {groups[0].error}")
     return groups, {**times, "rollout/nonfinite_reward_groups": float(num_nonfinite), "rollout/reward_timeouts": float(num_timeouts)}
 
 
@@ -322,12 +322,17 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
     if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
-        try:
-            await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
-        except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
-            raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
+        await publish_policy(parts)
     await asyncio.to_thread(offload.model_to_cpu)
     return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
+
+
+async def publish_policy(parts: LoopParts) -> None:
+    """The trainer's weights live on the generators at its policy version, or RunStopped saying why."""
+    try:
+        await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
+    except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
+        raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
 
 
 def _check_mismatch(metrics: dict[str, float], threshold: float, step: int) -> None:

@@ -18,6 +18,24 @@ def test_an_engine_split_over_ranks_is_driven_by_its_first_rank():
     assert [dp.share(list("abcd")) for dp in ranks] == [["a"], ["b"], ["c"], ["d"]]  # every rank trains
 
 
+def test_with_rollout_servers_rank_zero_generates_every_group_and_every_rank_trains():
+    ranks = [DataParallel(rank=r, world_size=2, rank_zero_generates=True) for r in range(2)]
+    assert [[i for i in range(4) if dp.owns(i)] for dp in ranks] == [[0, 1, 2, 3], []]
+    assert [dp.share(list("abcd")) for dp in ranks] == [["a", "c"], ["b", "d"]]
+
+
+def test_a_colocated_engine_split_over_ranks_refuses_staleness():
+    import pytest
+
+    from tandemrl.cli.ranks import start_ranks
+    from tandemrl.config import GenerationConfig, TrainConfig
+    from tandemrl.generation.base import EngineSettings
+
+    config = TrainConfig(engine=EngineSettings(tensor_parallel_size=2), generation=GenerationConfig(max_staleness=1))
+    with pytest.raises(ValueError, match="--max_staleness 1 with a colocated engine split over the ranks"):
+        start_ranks(config, use_cuda=False)
+
+
 def test_a_split_colocated_engine_needs_torchrun_ranks(monkeypatch):
     import pytest
 

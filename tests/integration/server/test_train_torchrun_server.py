@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from rollout_helpers import start_server
 
 TINY = ["--num_prompts_per_step", "4", "--num_generations", "4", "--max_completion_length", "6", "--max_prompt_length", "64"]
@@ -80,3 +81,33 @@ def test_staleness_1_under_torchrun_then_a_killed_server_ends_the_run_with_one_l
     errors = [line for line in stderr.splitlines() if line.startswith("tandem train: error")]
     assert len(errors) == 1 and server.url.split("//")[1] in errors[0], stderr[-3000:]
     assert "tandemrl/" not in stderr, stderr[-3000:]  # no traceback of ours (torchrun prints its own summary)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_on_two_gpus_fsdp_ranks_push_over_nccl_to_a_server_beside_rank_1(tiny_model_dir, tmp_path):
+    """Trainer ranks on GPUs 0 and 1 (FSDP2, bf16 compute), a server on GPU 1 beside rank 1 (small KV
+    cache): rank 0 pushes the gathered weights over NCCL. Step 1 as one GPU's trainer through the same
+    server; the server at the run's version; the weights reach it intact (lag-0 logprob mismatch)."""
+    gpu_server = start_server(
+        tiny_model_dir, "--dtype", "float32", "--gpu_memory_utilization", "0.2", backend="engine", device="cuda",
+        env={"CUDA_VISIBLE_DEVICES": "1"}, timeout_s=180,
+    )  # fmt: skip
+    flags = ["--max_steps", "3", "--save_steps", "0", "--device", "cuda", "--no-torch_compile", "--weight_sync_backend", "nccl"]
+    try:
+        rows = {}
+        for name, launcher, extra in [("one", [sys.executable], []), ("two", TORCHRUN, ["--max_staleness", "1", "--move_model_batches", "4"])]:
+            started = time.monotonic()
+            args = train_args(tiny_model_dir, gpu_server, tmp_path / name, *flags, *extra)
+            result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=200, env=ENV)
+            assert result.returncode == 0, result.stderr[-4000:] + gpu_server.log_text()[-2000:]
+            assert gpu_server.get("/ready").json()["policy_version"] == 3
+            rows[name] = metrics(tmp_path / name)
+            print(name, f"{time.monotonic() - started:.1f} s", [(round(r["grad_norm"], 4), round(r["step_time"], 3), round(r["time/sync"], 3)) for r in rows[name]])
+    finally:
+        gpu_server.stop()
+    one, two = rows["one"], rows["two"]
+    assert two[0]["reward"] == pytest.approx(one[0]["reward"], abs=1e-9)  # version 0 on the same server: the same tokens
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=0.05)
+    assert [r["policy_version"] for r in two] == [1, 2, 3] and max(r["rollout/policy_lag_max"] for r in two) <= 1
+    assert two[0]["train/logprob_mismatch_kl_lag0"] < 0.02  # version 0 pushed by rank 0 reached the server intact

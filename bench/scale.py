@@ -1,5 +1,6 @@
 """Past one GPU: FSDP2 data-parallel training over torchrun (`train`), a 7B-shaped colocated run
-(`colocate`), and the engine split over N GPUs (`engine`).
+(`colocate`), the trainer and rollout servers on separate GPUs (`servers`), and the engine split over N
+GPUs (`engine`).
 
 train: the train phase of one GRPO step (bench/train.py's workload: 512 sequences of 128 + 256 tokens,
 random weights of a Qwen2.5 shape, float32 masters, bf16 compute) on 1 GPU and with FSDP2 on N GPUs,
@@ -8,6 +9,11 @@ memory, the loss / grad_norm / entropy curve, and the extra peak memory of a col
 (gathered --move_model_batches batches at a time, into a sink that drops them as an engine copies them).
 Then one line per N: scaling efficiency = tokens/s(N) / (N x tokens/s(1)) (required >= 0.85) and the
 largest relative difference of the curves.
+
+servers: issue 19's disaggregated run: `tandem train` under torchrun on GPUs 0..N-1 (FSDP2, rank 0 the
+servers' client) and `tandem rollout` servers of tensor parallel size T on the other GPUs, --max_staleness S,
+NCCL weight sync, on the same random model and task as `colocate`: the step split, overlap efficiency,
+sync seconds and GB/s, and each GPU's utilisation. `--model tiny` runs it on a CPU (a check, not a figure).
 
 colocate: `tandem train` under torchrun on a random Qwen2.5-7B-shaped model saved to a temporary
 directory (bf16 on disk, float32 masters), each rank with its own engine (or one split over the ranks:
@@ -26,6 +32,8 @@ their shards from the model's weights on GPU 0 (CUDA IPC). One JSON line per fig
     python bench/scale.py colocate --model 7b --nproc 2 --steps 3 -- --sleep_level 1 --offload_optimizer --offload_model
     python bench/scale.py colocate --model tiny --nproc 2 --steps 2 --prompts 2 --generations 2 --completion_tokens 8 -- --tensor_parallel_size 2
     python bench/scale.py engine --model 1.5b --tensor_parallel_size 2
+    python bench/scale.py servers --model 7b --nproc 2 --server_tp 2 --steps 4             # 4 GPUs: issue 19 run 1
+    python bench/scale.py servers --model tiny --nproc 2 --server_tp 2 --steps 3 --prompts 2 --generations 2 --prompt_tokens 16 --completion_tokens 8
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -192,49 +202,171 @@ def train(args) -> None:
         )
 
 
-def colocate(args) -> None:
-    """`tandem train` under torchrun on a random model of `args.model`'s shape, stopped after args.steps steps."""
+def write_run_inputs(tmp: str, args) -> float:
+    """A random model of `args.model`'s shape (bf16 on disk), prompts and a noise reward, under `tmp`;
+    returns the seconds saving the model took."""
     from tandemrl.tasks.tiny import build_tokenizer
 
-    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
-        started = time.perf_counter()
-        model = build_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
-        model.save_pretrained(f"{tmp}/model")
-        build_tokenizer().save_pretrained(f"{tmp}/model")
-        del model
-        torch.cuda.empty_cache()
-        saved_s = time.perf_counter() - started
-        with open(f"{tmp}/data.jsonl", "w") as f:
-            for i in range(256):
-                f.write(json.dumps({"prompt": f"{i:04d} " + "abcdefghij" * (args.prompt_tokens // 10)}) + "\n")
-        with open(f"{tmp}/noise.py", "w") as f:
-            f.write("import random\n\ndef noise(prompts, completions, **kw):\n    return [random.random() for _ in completions]\n")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "tandemrl", "train",
-            "--model", f"{tmp}/model", "--dataset", f"{tmp}/data.jsonl", "--reward_funcs", f"{tmp}/noise.py:noise",
-            "--num_prompts_per_step", str(args.prompts), "--num_generations", str(args.generations),
-            "--max_completion_length", str(args.completion_tokens), "--max_prompt_length", str(args.prompt_tokens + 64),
-            "--beta", "0", "--max_steps", "1000", "--logging_steps", "1", "--output_dir", f"{tmp}/run",
-            "--move_model_batches", str(args.move_model_batches), *args.train_flags,
-        ]  # fmt: skip
-        rows, lines, error = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, args.timeout_s)
-    memory = [float(m) for m in re.findall(r"mem ([0-9.]+)G", lines)]
-    out = {"model": args.model, "num_gpus": args.nproc, "flags": args.train_flags, "model_saved_s": round(saved_s, 1), "steps": len(rows)}
+    started = time.perf_counter()
+    model = build_model(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
+    model.save_pretrained(f"{tmp}/model")
+    build_tokenizer().save_pretrained(f"{tmp}/model")
+    del model
+    torch.cuda.empty_cache()
+    with open(f"{tmp}/data.jsonl", "w") as f:
+        for i in range(256):
+            f.write(json.dumps({"prompt": f"{i:04d} " + "abcdefghij" * (args.prompt_tokens // 10)}) + "\n")
+    with open(f"{tmp}/noise.py", "w") as f:
+        f.write("import random\n\ndef noise(prompts, completions, **kw):\n    return [random.random() for _ in completions]\n")
+    return time.perf_counter() - started
+
+
+def train_command(tmp: str, args, nproc: int) -> list[str]:
+    """`tandem train` under torchrun on `nproc` ranks over write_run_inputs' files, stopped by run_until."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "tandemrl", "train",
+        "--model", f"{tmp}/model", "--dataset", f"{tmp}/data.jsonl", "--reward_funcs", f"{tmp}/noise.py:noise",
+        "--num_prompts_per_step", str(args.prompts), "--num_generations", str(args.generations),
+        "--max_completion_length", str(args.completion_tokens), "--max_prompt_length", str(args.prompt_tokens + 64),
+        "--beta", "0", "--max_steps", "1000", "--logging_steps", "1", "--output_dir", f"{tmp}/run",
+        "--move_model_batches", str(args.move_model_batches),
+    ]  # fmt: skip
+
+
+def run_summary(rows: list[dict], output: str, args) -> dict:
+    """Steps logged, the steady (after step 1) mean step time and its split, rank 0's peak GiB, or the error."""
+    memory = [float(m) for m in re.findall(r"mem ([0-9.]+)G", output)]
+    out: dict = {"steps": len(rows)}
     if len(rows) < args.steps:
-        out["error"] = error[-3000:]
+        out["error"] = output[-3000:]
     steady = rows[1:] or rows
-    for key in ("step_time", "time/generate", "time/train", "time/sync"):
-        if steady:
-            out[key] = round(sum(r[key] for r in steady) / len(steady), 2)
+    for key in ("step_time", "time/generate", "time/train", "time/sync", "pipeline/wait_time"):
+        if steady and key in steady[0]:
+            out[key] = round(sum(r[key] for r in steady) / len(steady), 3)
     if memory:
         out["peak_gib_rank0"] = max(memory)
     out["grad_norm"] = [r.get("grad_norm") for r in rows]  # NaN here: the steps did not train, whatever the times say
+    return out
+
+
+def colocate(args) -> None:
+    """`tandem train` under torchrun on a random model of `args.model`'s shape, stopped after args.steps steps."""
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
+        saved_s = write_run_inputs(tmp, args)
+        cmd = [*train_command(tmp, args, args.nproc), *args.train_flags]
+        rows, output, _ = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, args.timeout_s)
+    out = {"model": args.model, "num_gpus": args.nproc, "flags": args.train_flags, "model_saved_s": round(saved_s, 1)}
+    print(json.dumps({**out, **run_summary(rows, output, args)}), flush=True)
+
+
+def servers(args) -> None:
+    """Issue 19's run 1: `tandem train` under torchrun on GPUs 0..N-1 (FSDP2) and `tandem rollout` servers of
+    TP = T on the other GPUs (--server_gpus, T at a time), --max_staleness S, weights over NCCL; stopped after
+    args.steps steps. One JSON line: the steady step split, the overlap efficiency max(gen, train) / step, the
+    sync's seconds and GB/s (float32 masters pushed; the FSDP gathers count in its time) and each GPU's mean
+    utilisation (nvidia-smi, sampled each second). On a CPU (gloo) the same command is a check that it runs."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        server_gpus = args.server_gpus or ",".join(str(g) for g in range(args.nproc, torch.cuda.device_count()))
+        gpus = [int(g) for g in server_gpus.split(",")]
+        gpu_sets = [",".join(map(str, gpus[i : i + args.server_tp])) for i in range(0, len(gpus), args.server_tp)]
+    else:
+        gpu_sets = [""] * args.num_servers
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
+        saved_s = write_run_inputs(tmp, args)
+        procs = [start_server(tmp, args, gpu_set, i) for i, gpu_set in enumerate(gpu_sets)]
+        try:
+            urls = [wait_for_url(tmp, i, proc, args.timeout_s) for i, proc in enumerate(procs)]
+            if None in urls:
+                print(json.dumps({"model": args.model, "error": urls}), flush=True)
+                return
+            cmd = [
+                *train_command(tmp, args, args.nproc), "--rollout_mode", "server", "--rollout_server_urls", *urls,
+                "--max_staleness", str(args.max_staleness), "--weight_sync_port", "0", *(["--weight_sync_backend", "nccl"] if cuda else []),
+                *args.train_flags,
+            ]  # fmt: skip
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(args.nproc))} if cuda else {}
+            with GpuUtilisation() as utilisation:
+                rows, output, _ = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, args.timeout_s, env=env)
+        finally:
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+    out = {"model": args.model, "trainer_gpus": args.nproc, "servers": gpu_sets, "server_tp": args.server_tp, "max_staleness": args.max_staleness,
+           "flags": args.train_flags, "model_saved_s": round(saved_s, 1), **run_summary(rows, output, args)}  # fmt: skip
+    if "time/generate" in out and out.get("step_time"):
+        out["overlap_efficiency"] = round(max(out["time/generate"], out["time/train"]) / out["step_time"], 3)
+    if out.get("time/sync"):
+        gigabytes = 4 * sum(qwen_config_numel(args.model)) / 1e9
+        out["sync_gb"], out["sync_gb_per_s"] = round(gigabytes, 2), round(gigabytes / out["time/sync"], 1)
+    out["gpu_utilisation_mean"] = utilisation.means(last_s=sum(r["step_time"] for r in rows[1:]))  # the steady steps
     print(json.dumps(out), flush=True)
 
 
-def run_until(cmd: list[str], metrics_path: str, steps: int, timeout_s: float) -> tuple[list[dict], str, str]:
+def start_server(tmp: str, args, gpus: str, index: int) -> subprocess.Popen:
+    """`tandem rollout` on `gpus` (CUDA_VISIBLE_DEVICES; "" on a CPU), its output in tmp/server<index>.log."""
+    cmd = [
+        sys.executable, "-m", "tandemrl", "rollout", "--model", f"{tmp}/model", "--port", "0", "--tensor_parallel_size", str(args.server_tp),
+        "--max_model_len", str(args.prompt_tokens + 64 + args.completion_tokens), "--gpu_memory_utilization", str(args.gpu_memory_utilization),
+    ]  # fmt: skip
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
+    log = open(f"{tmp}/server{index}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def wait_for_url(tmp: str, index: int, proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """The URL server `index` prints once it serves, or None (its log's tail printed) if it exits or passes `timeout_s` first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = open(f"{tmp}/server{index}.log").read()
+        found = re.search(r"serving .* on (http://\S+)", text)
+        if found:
+            return found.group(1)
+        time.sleep(1)
+    print(f"server {index} did not start:\n{open(f'{tmp}/server{index}.log').read()[-3000:]}", flush=True)
+    return None
+
+
+def qwen_config_numel(shape: str) -> list[int]:
+    """Parameter counts of a model of that shape (its meta-device build: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen_config(shape))
+    return [p.numel() for p in model.parameters()]
+
+
+class GpuUtilisation:
+    """Samples every GPU's utilisation (nvidia-smi) each second while open; nothing without nvidia-smi."""
+
+    def __enter__(self) -> GpuUtilisation:
+        self.samples: list[tuple[float, list[int]]] = []
+        self.started = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        if shutil.which("nvidia-smi"):
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        while not self.stop.wait(1.0):
+            out = subprocess.run(query, capture_output=True, text=True).stdout
+            self.samples.append((time.monotonic() - self.started, [int(x) for x in out.split()]))
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.ended = time.monotonic() - self.started
+
+    def means(self, last_s: float) -> list[float]:
+        """Each GPU's mean utilisation (%) over the last `last_s` seconds sampled (the start-up left out)."""
+        kept = [values for at, values in self.samples if at >= self.ended - last_s - 2.0]  # 2 s: run_until's polling
+        return [round(sum(column) / len(column), 1) for column in zip(*kept)] if kept else []
+
+
+def run_until(cmd: list[str], metrics_path: str, steps: int, timeout_s: float, env: dict | None = None) -> tuple[list[dict], str, str]:
     """Runs `cmd` until metrics_path holds `steps` rows (then stops it), it exits, or timeout_s passes."""
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout_s
     rows: list[dict] = []
     while time.monotonic() < deadline and process.poll() is None:
@@ -336,6 +468,23 @@ def main() -> None:
     c.add_argument("--timeout_s", type=float, default=200)
     c.add_argument("--tmp_dir", default=None)
     c.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: more `tandem train` flags")
+    v = sub.add_parser("servers", help="tandem train under torchrun (FSDP2) + tandem rollout servers on the other GPUs (issue 19 run 1)")
+    v.add_argument("--model", default="7b", choices=sorted(SHAPES))
+    v.add_argument("--nproc", type=int, default=2, help="trainer GPUs (0..N-1), one torchrun rank each")
+    v.add_argument("--server_gpus", default="", help="GPUs of the servers, e.g. 2,3 (default: every GPU after the trainer's)")
+    v.add_argument("--server_tp", type=int, default=2, help="each server splits its model over this many of --server_gpus")
+    v.add_argument("--num_servers", type=int, default=1, help="on a CPU: how many servers (on GPUs: as --server_gpus hold)")
+    v.add_argument("--gpu_memory_utilization", type=float, default=0.85, help="each server's (lower when a server shares a trainer GPU)")
+    v.add_argument("--max_staleness", type=int, default=1)
+    v.add_argument("--steps", type=int, default=4)
+    v.add_argument("--prompts", type=int, default=64)
+    v.add_argument("--generations", type=int, default=8)
+    v.add_argument("--prompt_tokens", type=int, default=256)
+    v.add_argument("--completion_tokens", type=int, default=1024)
+    v.add_argument("--move_model_batches", type=int, default=8)
+    v.add_argument("--timeout_s", type=float, default=600)
+    v.add_argument("--tmp_dir", default=None)
+    v.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: more `tandem train` flags")
     e = sub.add_parser("engine", help="the engine split over N GPUs (tensor parallel) against one GPU")
     e.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
     e.add_argument("--tensor_parallel_size", type=int, default=2)
@@ -347,9 +496,9 @@ def main() -> None:
     e.add_argument("--gpu_memory_utilization", type=float, default=0.6)
     e.add_argument("--enforce_eager", action="store_true", help="no CUDA graphs (the ranks' collectives run eagerly)")
     args = parser.parse_args()
-    if args.what == "colocate":
+    if args.what in ("colocate", "servers"):
         args.train_flags = [f for f in args.train_flags if f != "--"]
-    {"train": train, "_train_worker": train_worker, "colocate": colocate, "engine": engine}[args.what](args)
+    {"train": train, "_train_worker": train_worker, "colocate": colocate, "servers": servers, "engine": engine}[args.what](args)
 
 
 if __name__ == "__main__":

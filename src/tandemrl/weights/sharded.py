@@ -5,12 +5,15 @@ rank 0 streams each gathered batch to the servers as it comes, so a sync's extra
 batch, never the whole model.
 
 Invariant: whatever the push's outcome, every rank gathers every batch and then takes the outcome from
-rank 0, so the ranks go on together or raise the same error together; none is left in a collective.
+rank 0, so the ranks go on together or raise the same error together; none is left in a collective. A
+failed push may leave its sending thread behind, still pulling tensors: pulls are serialised, so each
+gathers the next tensor in order, whichever thread makes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -34,7 +37,7 @@ class ShardedSync:
     async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
         """`version` is live on every server on return (on every rank), or every rank raises one RuntimeError."""
         named = [(name, tensor.detach()) for name, tensor in weights]
-        whole = gathered(named, self.move_model_batches)
+        whole = Serialised(gathered(named, self.move_model_batches))
         error = ""
         if self.pusher is not None:
             try:
@@ -60,6 +63,18 @@ def gathered(named: list[tuple[str, Tensor]], num_batches: int) -> Iterator[tupl
         whole = [(name, full_tensor(tensor)) for name, tensor in batch]
         while whole:
             yield whole.pop(0)
+
+
+class Serialised(Iterator):
+    """An iterator that two threads may pull from: one pull at a time, in order."""
+
+    def __init__(self, items: Iterator) -> None:
+        self._items = items
+        self._lock = threading.Lock()
+
+    def __next__(self):
+        with self._lock:
+            return next(self._items)
 
 
 def drain(stream: Iterator) -> None:

@@ -5,6 +5,8 @@ RuntimeError. (Two real ranks and a real server: tests/integration/server/test_t
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ def log(monkeypatch) -> list[str]:
     events: list[str] = []
 
     def full_tensor(tensor):
+        time.sleep(0.005)  # a gather takes time: a second thread pulling meanwhile must wait its turn
         events.append(f"gathered {int(tensor[0])}")
         return tensor
 
@@ -60,3 +63,18 @@ def test_a_failed_push_still_gathers_every_batch_then_raises_its_error(log):
 def test_a_rank_without_a_pusher_gathers_every_batch(log):
     asyncio.run(ShardedSync(None, SINGLE, move_model_batches=2).publish(NAMED, version=1))
     assert log == [f"gathered {i}" for i in range(6)]
+
+
+def test_a_sending_thread_left_behind_by_a_failed_push_shares_the_pulls_in_order(log):
+    """DistributedSync leaves a send stuck on a dead server behind; it may still pull while the rest is gathered."""
+    pulled: list[str] = []
+
+    class LeftBehind:
+        async def publish(self, weights, *, version: int) -> None:
+            next(weights)
+            threading.Thread(target=lambda: pulled.extend(name for name, _ in weights), daemon=True).start()
+            raise RuntimeError("weight sync failed: gone")
+
+    with pytest.raises(RuntimeError, match="gone"):
+        asyncio.run(ShardedSync(LeftBehind(), SINGLE, move_model_batches=3).publish(NAMED, version=1))
+    assert log == [f"gathered {i}" for i in range(6)]  # each batch gathered once, in order, by one thread at a time

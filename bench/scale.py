@@ -264,7 +264,9 @@ def servers(args) -> None:
     TP = T on the other GPUs (--server_gpus, T at a time), --max_staleness S, weights over NCCL; stopped after
     args.steps steps. One JSON line: the steady step split, the overlap efficiency max(gen, train) / step, the
     sync's seconds and GB/s (float32 masters pushed; the FSDP gathers count in its time) and each GPU's mean
-    utilisation (nvidia-smi, sampled each second). On a CPU (gloo) the same command is a check that it runs."""
+    utilisation (nvidia-smi, sampled each second). On a CPU (gloo) the same command is a check that it runs.
+    --timeout_s bounds the whole: saving the model, starting the servers and the run."""
+    deadline = time.monotonic() + args.timeout_s
     cuda = torch.cuda.is_available()
     if cuda:
         server_gpus = args.server_gpus or ",".join(str(g) for g in range(args.nproc, torch.cuda.device_count()))
@@ -276,7 +278,7 @@ def servers(args) -> None:
         saved_s = write_run_inputs(tmp, args)
         procs = [start_server(tmp, args, gpu_set, i) for i, gpu_set in enumerate(gpu_sets)]
         try:
-            urls = [wait_for_url(tmp, i, proc, args.timeout_s) for i, proc in enumerate(procs)]
+            urls = [wait_for_url(tmp, i, proc, deadline - time.monotonic()) for i, proc in enumerate(procs)]
             if None in urls:
                 print(json.dumps({"model": args.model, "error": urls}), flush=True)
                 return
@@ -287,7 +289,7 @@ def servers(args) -> None:
             ]  # fmt: skip
             env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(args.nproc))} if cuda else {}
             with GpuUtilisation() as utilisation:
-                rows, output, _ = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, args.timeout_s, env=env)
+                rows, output, _ = run_until(cmd, f"{tmp}/run/metrics.jsonl", args.steps, deadline - time.monotonic(), env=env)
         finally:
             for proc in procs:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -119,7 +119,8 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - start)
                 assert client.readiness()[0]["policy_version"] == version
                 print(json.dumps({"bench": "sync", "shape": shape, "transport": args.transport, "version": version, "bytes": num_bytes,
-                                  "seconds": round(times[-1], 5), "send_s": round(send_s[-1], 5), "GB/s": round(num_bytes / times[-1] / 1e9, 2)}))
+                                  "seconds": round(times[-1], 5), "send_s": round(send_s[-1], 5), "GB/s": round(num_bytes / times[-1] / 1e9, 2),
+                                  "send_ms": {k: round(v * 1e3, 2) for k, v in sync.sender.phases.items()}}))
             prompt_ids = list(range(100, 116))
             served = client.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
             with torch.no_grad():

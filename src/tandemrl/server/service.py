@@ -253,6 +253,7 @@ class RolloutService:
                     self.counters.weight_syncs["failed"] += 1
                     log.error("weight sync to version %d failed (%s); keeping version %d and serving", version, error, self.generator.version)
                     raise
+                received = time.perf_counter()
                 await self._apply(staging, version=version, mode=mode)
             finally:
                 self.update_in_progress = False
@@ -261,7 +262,9 @@ class RolloutService:
             self.counters.last_sync_s = seconds
             self.metrics.weight_sync.observe(seconds)
             num_bytes = sum(t.numel() * t.element_size() for _, t in staging)
-            log.info("policy version %d live (%d tensors, %.1f MB, %.2f s, %s)", version, len(staging), num_bytes / 2**20, seconds, mode)
+            phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.receiver.phases.items())
+            log.info("policy version %d live (%d tensors, %.1f MB, %.4f s: receive %.1f ms [%s], apply %.1f ms; %s)", version, len(staging),
+                     num_bytes / 2**20, seconds, (received - start) * 1e3, phases, (time.perf_counter() - received) * 1e3, mode)  # fmt: skip
             return len(staging), num_bytes, seconds
 
     async def _receive(self, hangup: Awaitable[Any] | None) -> list:

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from tandemrl.threads import in_daemon_thread
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.group import WeightSender
+from tandemrl.weights.group import NotStarted, WeightSender
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -50,11 +50,17 @@ class DistributedSync:
         first = next(stream, None)
         if first is None:
             raise ValueError("publish got no tensors")
+        weights = itertools.chain([first], stream)
         try:
-            infos = await self.client.servers_ready()
-            if self.sender.group_id is None or any(i["weight_group"] != self.sender.group_id for i in infos):
-                await self._form_group(first[1], infos)
-            await self._push(itertools.chain([first], stream), version)
+            if self.sender.group_id is None:
+                await self._form_group(first[1])
+            try:  # a live group costs no readiness round trip: the update's first collective checks it
+                await self._push(weights, version)
+            except NotStarted as error:  # a server restarted or left the group since the last update; no tensor taken
+                log.info("weight-sync group %s lost a server (%s); forming it again", self.sender.group_id, error)
+                self.sender.close_group()
+                await self._form_group(first[1])
+                await self._push(weights, version)
         except Exception as error:
             self.sender.close_group()
             raise RuntimeError(f"weight sync of version {version} to {', '.join(self.client.urls)} failed: {error}") from error
@@ -69,9 +75,9 @@ class DistributedSync:
         uuid = ipc.device_uuid(sample.device)
         return "gloo" if uuid is None else "ipc" if all(i["device_uuid"] == uuid for i in infos) else "nccl"
 
-    async def _form_group(self, sample: Tensor, infos: list[dict[str, Any]]) -> None:
+    async def _form_group(self, sample: Tensor) -> None:
         """(Re)forms the group with every server: after start, a failure, or a server restart."""
-        transport = self.transport(sample, infos)
+        transport = self.transport(sample, await self.client.servers_ready())
         master_addr = self.config.weight_sync_host or local_address_to(self.client.urls[0])
         specs = self.sender.plan(num_servers=len(self.client.urls), transport=transport, master_addr=master_addr)
         joins = asyncio.ensure_future(self.client.join_weight_group(specs, timeout_s=self.config.weight_sync_timeout_s + 10))
@@ -98,8 +104,8 @@ class DistributedSync:
                 # the send polls `cancel`; one stuck in a collective on the dead server is left behind (the
                 # group is aborted by the caller)
                 await asyncio.wait({send}, timeout=CANCEL_GRACE_S)
-                if send.done():
-                    send.exception()  # retrieved: the server's answer is the error to raise
+                if send.done() and isinstance(send.exception(), NotStarted):
+                    raise send.exception()  # the server's answer (not in this group): form it again
                 send.cancel()
                 updates.result()
             await send

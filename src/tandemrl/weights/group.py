@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.buckets import Named, Window, pack, plan_windows, unpack
+from tandemrl.weights.buckets import Named, Planner, Window, pack, unpack
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -50,6 +50,11 @@ POLL_S = 5e-5  # between completion checks of a collective in flight
 META_HEAD_BYTES = 64 * 1024  # the first metadata broadcast's fixed size (a 1.5B model's metadata is ~35 KB)
 HANDLE_BYTES = 4096  # a server's CUDA IPC handle, JSON, padded
 WINDOW_BUCKETS = 16  # a window spans at most this many buckets' bytes: what the trainer holds of a lazy producer
+
+
+class NotStarted(ConnectionError):
+    """An update failed before the trainer took a tensor from its producer: a server is not in the group
+    (restarted, or it left it); forming the group again and sending the same tensors is safe."""
 
 
 NCCL_GROUP_ENV = {
@@ -80,6 +85,19 @@ def nccl_errors_raise() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class Phases:
+    """Seconds spent in each named phase of one update (laps of one clock; a repeated phase adds up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 class _Group:
@@ -135,8 +153,17 @@ class _Group:
                 works.clear()
             raise
 
-    def send_meta(self, meta: dict[str, Any]) -> None:
-        data = json.dumps(meta).encode()
+    def hello(self, cancel: threading.Event | None = None) -> None:
+        """Every member's first collective of an update (gloo, a few bytes): the trainer learns that each
+        server is in this group before it takes a tensor (NotStarted if not); a server, that the trainer is."""
+        mine = torch.zeros(1, dtype=torch.int64)
+        everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(self.control.size())]
+        try:
+            self.finish([self.control.allgather([everyone], [mine])], cancel=cancel)
+        except (RuntimeError, ConnectionError) as error:  # a peer gone (gloo saw its socket close) or cancelled; not a timeout
+            raise NotStarted(f"a server is not in weight-sync group ({error})") from error
+
+    def send_meta(self, data: bytes) -> None:
         head = torch.zeros(META_HEAD_BYTES, dtype=torch.uint8)
         head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
         head[8 : 8 + len(data)] = torch.frombuffer(bytearray(data[: META_HEAD_BYTES - 8]), dtype=torch.uint8)
@@ -144,7 +171,7 @@ class _Group:
         if len(data) > META_HEAD_BYTES - 8:
             self.finish([self.broadcast(torch.frombuffer(bytearray(data[META_HEAD_BYTES - 8 :]), dtype=torch.uint8), group=self.control)])
 
-    def recv_meta(self) -> dict[str, Any]:
+    def recv_meta(self) -> bytes:
         head = torch.zeros(META_HEAD_BYTES, dtype=torch.uint8)
         self.finish([self.broadcast(head, group=self.control)])
         size = int(head[:8].view(torch.int64))
@@ -153,7 +180,7 @@ class _Group:
             rest = torch.zeros(size - (META_HEAD_BYTES - 8), dtype=torch.uint8)
             self.finish([self.broadcast(rest, group=self.control)])
             data += rest.numpy().tobytes()
-        return json.loads(data)
+        return data
 
     def end_mark(self) -> dist.Work:
         """The window's end mark (gloo): the trainer posts it once its payload is out, a server before
@@ -201,6 +228,8 @@ class WeightSender:
         self._world_size = 0
         self._transport = ""
         self._buffers: list[Tensor | None] = [None, None]  # the two bucket buffers packing alternates between
+        self._planner: Planner | None = None  # the last update's layout, reused while the group lives
+        self.phases: dict[str, float] = {}  # the last send's seconds by phase (hello, plan, meta, payload, end)
         self._mapped: dict[str, Tensor] = {}  # servers' IPC buffers opened in this process, by handle
         self._releasing: list[threading.Thread] = []  # groups being torn down (close() waits for them)
 
@@ -237,16 +266,26 @@ class WeightSender:
         soon after. Returns (tensors, bytes)."""
         group = self._group
         assert group is not None, "send() before connect()"
-        bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
+        if self._planner is None:
+            bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
+            self._planner = Planner(bucket_bytes, WINDOW_BUCKETS * bucket_bytes)
+        clock = Phases()
+        group.hello(cancel)  # NotStarted, with no tensor taken, when a server left the group
+        clock.lap("hello")
         num_tensors = num_bytes = 0
-        for window, tensors in plan_windows(weights, bucket_bytes, WINDOW_BUCKETS * bucket_bytes):
-            group.send_meta(window.to_json())
+        for window, tensors in self._planner.windows(weights):
+            clock.lap("plan")
+            group.send_meta(window.encode())
+            clock.lap("meta")
             if group.transport == "ipc":
                 self._write_ipc(group, window, tensors)
             else:
                 self._broadcast_buckets(group, window, tensors, cancel)
+            clock.lap("payload")
             group.finish([group.end_mark()], cancel=cancel)
+            clock.lap("end")
             num_tensors, num_bytes = num_tensors + len(tensors), num_bytes + window.num_bytes
+        self.phases = clock.seconds
         return num_tensors, num_bytes
 
     def _broadcast_buckets(self, group: _Group, window: Window, tensors: list[Tensor], cancel: threading.Event | None) -> None:
@@ -282,6 +321,7 @@ class WeightSender:
             self._releasing.append(self._group.close())
         self._group, self.group_id = None, None
         self._mapped.clear()
+        self._planner = None  # its windows hold views into the mapped buffers
 
     def close(self, wait_s: float = 10.0) -> None:
         """Drops the group and the store; waits up to `wait_s` for groups still being torn down."""
@@ -302,7 +342,9 @@ class WeightReceiver:
         self.group_id: str | None = None
         self._group: _Group | None = None
         self._lock = threading.Lock()  # a receive left behind and the server's event loop may both drop the group
-        self._ipc_buffers: list[tuple[Tensor, dict[str, Any]]] = []  # per window: a staging buffer the trainer writes, its handle
+        self._buffers: list[tuple[Tensor, dict[str, Any] | None]] = []  # per window: its staging buffer (kept), IPC handle
+        self._window: Window | None = None  # the last metadata received, decoded (an update like the last reuses it)
+        self.phases: dict[str, float] = {}  # the last receive's seconds by phase (hello, meta, payload, unpack)
 
     def join(self, spec: dict[str, Any]) -> None:
         """Blocks until the trainer and every other server joined (or the deadline passed)."""
@@ -340,20 +382,48 @@ class WeightReceiver:
         assert group is not None, "receive() outside a group"
         group.progress_at = time.monotonic()
         staging: Named = []
+        clock = Phases()
         try:
+            group.hello()
+            clock.lap("hello")
             for index in itertools.count():
-                window = Window.from_json(group.recv_meta())
-                flat = self._receive_ipc(group, window, index) if group.transport == "ipc" else self._receive_buckets(group, window)
+                window = self._decode(group.recv_meta())
+                clock.lap("meta")
+                ipc_ = group.transport == "ipc"
+                flat = self._staging_buffer(index, window.num_bytes, self.device if ipc_ else group.device, share=ipc_)
+                flat = self._receive_ipc(group, window, index, flat) if ipc_ else self._receive_buckets(group, window, flat)
+                clock.lap("payload")
                 staging += unpack(window, flat)
+                clock.lap("unpack")
                 if window.last:
                     break
         except BaseException:
             self._drop(group)
             raise
+        self.phases = clock.seconds
         return staging
 
-    def _receive_buckets(self, group: _Group, window: Window) -> Tensor:
-        flat = torch.empty(window.num_bytes, dtype=torch.uint8, device=group.device)  # [bytes]
+    def _decode(self, data: bytes) -> Window:
+        if self._window is None or self._window.encoded != data:
+            self._window = Window.from_json(json.loads(data))
+            self._window.encoded = data
+        return self._window
+
+    def _staging_buffer(self, index: int, num_bytes: int, device: torch.device, *, share: bool) -> Tensor:
+        """Window `index`'s staging bytes: kept across updates (as are the views into them), and once the
+        last update's apply has read them (device synchronized) free to be written again. [bytes]"""
+        kept = self._buffers[index] if index < len(self._buffers) else None
+        if kept is None or kept[0].numel() < num_bytes or kept[0].device != device or (share and kept[1] is None):
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            self._buffers[index : index + 1] = [(buffer, ipc.share(buffer) if share else None)]
+            if self._window is not None:
+                self._window.views.clear()  # views into the buffer replaced: let it go
+        buffer = self._buffers[index][0]
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)
+        return buffer[:num_bytes]
+
+    def _receive_buckets(self, group: _Group, window: Window, flat: Tensor) -> Tensor:
         if group.payload is group.control:  # gloo: one group, so the end mark keeps its place in line
             group.finish([group.broadcast(flat[start:end]) for start, end, _, _ in window.buckets])
             group.finish([group.end_mark()])
@@ -363,15 +433,10 @@ class WeightReceiver:
         group.finish([end_mark])
         return flat
 
-    def _receive_ipc(self, group: _Group, window: Window, index: int) -> Tensor:
-        if index == len(self._ipc_buffers) or self._ipc_buffers[index][0].numel() < window.num_bytes:
-            buffer = torch.empty(window.num_bytes, dtype=torch.uint8, device=self.device)
-            self._ipc_buffers[index : index + 1] = [(buffer, ipc.share(buffer))]
-        buffer, handle = self._ipc_buffers[index]
-        torch.cuda.synchronize(self.device)  # the last update's apply has read this buffer: the trainer may write it
-        group.gather_handles(handle)
+    def _receive_ipc(self, group: _Group, window: Window, index: int, flat: Tensor) -> Tensor:
+        group.gather_handles(self._buffers[index][1])  # after the device sync: the trainer may write the buffer now
         group.finish([group.end_mark()])
-        return buffer[: window.num_bytes]
+        return flat
 
     def close(self) -> None:
         self._drop(self._group)

@@ -49,6 +49,17 @@ def test_kill_server_mid_request_raises_within_timeout_then_restart_reconnects_a
         assert client.readiness()[0]["policy_version"] == 7
         prompt_ids = tiny_tokenizer.encode("hello")
         assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
+
+        readiness_calls = []
+        real = client.servers_ready
+        client.servers_ready = lambda: readiness_calls.append(1) or real()
+        push(client, model.named_parameters(), version=8, config=sync())  # a live group: no readiness round trip
+        assert readiness_calls == []
+        server.kill()  # restarted between two updates, no failed update in between: the next one forms the group again
+        server = start_server(tiny_model_dir, port=urlparse(server.url).port)
+        push(client, model.named_parameters(), version=9, config=sync())
+        assert client.readiness()[0]["policy_version"] == 9 and readiness_calls == [1]
+        assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
     finally:
         client.close()
         server.stop()
@@ -161,7 +172,8 @@ def test_a_trainer_that_hangs_up_mid_update_while_its_collectives_stay_silent_is
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
             named = trainer_model(tiny_model_dir, 3).named_parameters()
             window, _ = next(plan_windows(named, 2**16, 2**30))
-            sender._group.send_meta(window.to_json())  # the metadata, then silence: the server waits in the payload
+            sender._group.hello()
+            sender._group.send_meta(window.encode())  # the metadata, then silence: the server waits in the payload
             deadline = time.monotonic() + 10
             while not small_server.get("/ready", timeout=1).json()["update_in_progress"] and time.monotonic() < deadline:
                 time.sleep(0.05)

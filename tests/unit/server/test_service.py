@@ -42,6 +42,7 @@ class ScriptedGenerator:
 class FakeReceiver:
     group_id = "g"
     timeout_s = 30.0
+    phases: dict[str, float] = {}
 
     def __init__(self, fail: bool = False):
         self.fail = fail

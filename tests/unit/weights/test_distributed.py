@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandemrl.weights.base import DistributedSyncConfig
-from tandemrl.weights.buckets import Window, pack, plan_windows, unpack
+from tandemrl.weights.buckets import Planner, Window, pack, plan_windows, unpack
 from tandemrl.weights.group import WeightReceiver, WeightSender
 
 
@@ -75,14 +75,37 @@ def _pair(timeout_s: float = 10.0):
 
 def test_sender_to_receiver_over_gloo_moves_every_tensor_by_name():
     sender, receiver = _pair()
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(receiver.receive()))
-    thread.start()
-    num_tensors, num_bytes = sender.send(named_tensors())
-    thread.join(30)
-    assert num_tensors == 7 and num_bytes >= sum(t.numel() * t.element_size() for _, t in named_tensors())
-    assert [n for n, _ in out[0]] == [n for n, _ in named_tensors()]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(out[0], named_tensors()))
+    for scale in (1, 3):  # the second update reuses the layout, the staging buffer and the views into it
+        sent = [(n, t * scale if t.dtype != torch.bool else t) for n, t in named_tensors()]
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(receiver.receive()))
+        thread.start()
+        num_tensors, num_bytes = sender.send(sent)
+        thread.join(30)
+        assert num_tensors == 7 and num_bytes >= sum(t.numel() * t.element_size() for _, t in named_tensors())
+        assert [n for n, _ in out[0]] == [n for n, _ in named_tensors()]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(out[0], sent))
+    sender.close()
+    receiver.close()
+
+
+def test_an_update_laid_out_as_the_last_reuses_its_window_and_any_change_is_planned_afresh():
+    planner = Planner(256, 1 << 20)
+    ((first, _),) = planner.windows(named_tensors())
+    ((again, tensors),) = planner.windows(named_tensors())
+    assert again is first and again.encode() is first.encode() and len(tensors) == 7
+    resized = named_tensors()
+    resized[3] = ("d.big", torch.randn(301))
+    fewer, more = named_tensors()[:-1], [*named_tensors(), ("h.extra", torch.ones(2))]
+    retyped = [(n, t.double() if n == "a.weight" else t) for n, t in named_tensors()]
+    for changed in (resized, fewer, more, retyped, named_tensors()):
+        ((window, tensors),) = planner.windows(changed)
+        assert window is not first and window.last
+        assert window == next(plan_windows(changed, 256, 1 << 20))[0]
+        flat = torch.zeros(window.num_bytes, dtype=torch.uint8)
+        pack(window, tensors, flat)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(unpack(window, flat), changed))
+        first = window
 
 
 def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update():
@@ -99,7 +122,8 @@ def test_receiver_raises_and_hands_over_nothing_when_the_sender_stops_mid_update
     thread.start()
     group = sender._group  # the metadata and one bucket of three, never the rest: the receiver's next collective passes its deadline
     window, tensors = next(plan_windows(named_tensors(), 256, 1 << 20))
-    group.send_meta(window.to_json())
+    group.hello()
+    group.send_meta(window.encode())
     start, end, _, _ = window.buckets[0]
     bucket = torch.zeros(end - start, dtype=torch.uint8)
     pack(window, tensors, bucket, bucket=0)

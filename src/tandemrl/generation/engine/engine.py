@@ -196,11 +196,12 @@ class Engine:
             self._load_weights(weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        weights = iter(weights)
+        if not isinstance(weights, list):  # a list goes as is: the model reuses its plan for one laid out as the last
+            weights = iter(weights)
         try:
             self.weights.written(self.model.load_weights(weights))
         finally:  # read to its end even after an error: a broadcast keeps every rank at the same message
-            for _ in weights:
+            for _ in weights if not isinstance(weights, list) else ():
                 pass
         self.blocks.reset_prefix_cache()
         self.version = version

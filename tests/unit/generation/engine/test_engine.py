@@ -214,6 +214,28 @@ def test_update_weights_by_hf_names_matches_new_weights_and_bumps_version(family
     run(engine.close())
 
 
+def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_values(family_dirs):
+    """A server stages every update in the same buffer: the second load copies by the first's plan."""
+    model_dir = family_dirs["qwen2"]
+    engine = make_engine(model_dir)
+    first, second = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() for _ in range(2))
+    with torch.no_grad():
+        for a, b in zip(first.parameters(), second.parameters()):
+            a.add_(torch.randn_like(a) * 0.05)
+            b.add_(torch.randn_like(b) * 0.05)
+    staged = [(name, p.detach().clone()) for name, p in first.named_parameters()]
+    run(engine.update_weights(staged, version=1))
+    plan = engine.model._load_plan
+    for (_, t), p in zip(staged, second.parameters()):
+        t.copy_(p)  # the next update lands in the same buffers
+    run(engine.update_weights(list(staged), version=2))
+    assert engine.model._load_plan is plan
+    prompt = engine.tokenizer.encode("hello there")
+    expected = second.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, len(prompt) :]
+    assert run(engine.generate(prompt, GREEDY)).token_ids == expected.tolist()
+    run(engine.close())
+
+
 def test_kv_cache_never_books_more_blocks_than_max_num_seqs_full_sequences(family_dirs):
     engine = make_engine(family_dirs["qwen2"], kv_cache_tokens=10_000_000, max_num_seqs=4, max_model_len=64)
     try:

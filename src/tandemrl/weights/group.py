@@ -410,8 +410,12 @@ class WeightReceiver:
         return self._window
 
     def _staging_buffer(self, index: int, num_bytes: int, device: torch.device, *, share: bool) -> Tensor:
-        """Window `index`'s staging bytes: kept across updates (as are the views into them), and once the
-        last update's apply has read them (device synchronized) free to be written again. [bytes]"""
+        """Window `index`'s staging bytes: kept across updates (as are the views into them). The last
+        update's apply (the engine's copies, on the default stream) has read them before they are written
+        again: an NCCL receive is queued after it on the device; for CUDA IPC the device is synchronized,
+        since the trainer writes from another process. Never a device-wide sync for NCCL: a dead trainer's
+        receive may leave a kernel that never ends (its group aborted), and the next trainer's update must
+        not wait for it. [bytes]"""
         kept = self._buffers[index] if index < len(self._buffers) else None
         if kept is None or kept[0].numel() < num_bytes or kept[0].device != device or (share and kept[1] is None):
             buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -419,7 +423,7 @@ class WeightReceiver:
             if self._window is not None:
                 self._window.views.clear()  # views into the buffer replaced: let it go
         buffer = self._buffers[index][0]
-        if buffer.is_cuda:
+        if share:
             torch.cuda.synchronize(buffer.device)
         return buffer[:num_bytes]
 

@@ -14,8 +14,8 @@ Numerics follow transformers: RMSNorm in float32, rotate-half RoPE from a float3
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch

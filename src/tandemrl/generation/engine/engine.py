@@ -6,7 +6,8 @@ one; a token carries the version live during the step that produced it; every up
 prefix cache. `generate` may be awaited from any asyncio loop; cancelling it aborts the request.
 
 Overlap (on CUDA): a decode step launches the next decode of the same sequences before it waits for
-its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while the device computes.
+its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while the device computes;
+a prefill step launches the next prefill (other sequences that wait) the same way.
 That step is in flight between two calls of `step`; whatever needs the engine still (weight updates,
 sleep, wake) finishes it first, under the step lock. Sampling noise depends on (seed, position) alone,
 so the tokens are those of a run without overlap; rows of sequences that finished are dropped.
@@ -436,6 +437,8 @@ class Engine:
             launched, version = self.runner.launch(batch), self.version
         ahead = self._timed(self.scheduler.schedule_ahead, batch) if self.overlap else None
         if ahead is not None:
+            if ahead.is_prefill:  # other sequences than batch's: a failure from here on may be theirs
+                self._in_step = batch.seqs + ahead.seqs
             self._ahead = (ahead, self.runner.launch(ahead), self.version)
         self._finish(batch, launched, version)
 

@@ -110,7 +110,7 @@ class ModelRunner:
         offsets = torch.arange(self.block_size)
         src = torch.tensor([s for s, _ in copies])[:, None] * self.block_size + offsets  # [C, block]
         dst = torch.tensor([d for _, d in copies])[:, None] * self.block_size + offsets
-        return src.flatten().to(self.device), dst.flatten().to(self.device)
+        return src.flatten().to(self.device, non_blocking=True), dst.flatten().to(self.device, non_blocking=True)
 
     def copy_blocks(self, slots: tuple[Tensor, Tensor]) -> None:
         src, dst = slots
@@ -171,11 +171,14 @@ class ModelRunner:
             positions += range(seq.num_tokens - n, seq.num_tokens)
         build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
         meta = build([n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device)
-        # every index crosses to the device before the launch: a copy after it would wait for the forward
-        ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
-        last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(self.device)  # [B_computing]
+        # every index crosses to the device before the launch (a copy after it would wait for the forward),
+        # without blocking (a blocking one would wait for the step in flight: the engine launches a prefill
+        # while the last one runs); pageable sources are staged by the copy itself, so they may be freed
+        to = dict(device=self.device, non_blocking=True)
+        ids, pos = torch.tensor(input_ids).to(**to), torch.tensor(positions).to(**to)
+        last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(**to)  # [B_computing]
         copies = self.block_copy_slots(batch.block_copies) if batch.block_copies else None
-        rows = torch.tensor(batch.sample_rows, device=self.device) if len(computing) != len(batch.seqs) else None
+        rows = torch.tensor(batch.sample_rows).to(**to) if len(computing) != len(batch.seqs) else None
         if self.is_cuda:
             self._events[slot][3].record()
         hidden = self.model(ids, pos, meta)  # [N, E]

@@ -48,7 +48,7 @@ class Counters:
     num_prefix_hit_tokens: int = 0  # tokens found in the prefix cache or shared with a leader
     num_decode_tokens: int = 0
     num_preemptions: int = 0
-    num_ahead_steps: int = 0  # decode steps launched before the previous one's tokens were read
+    num_ahead_steps: int = 0  # steps (decodes, and prefills after a prefill) launched before the previous one's tokens were read
 
 
 class Scheduler:
@@ -154,13 +154,21 @@ class Scheduler:
         return ScheduledBatch(seqs=scheduled, num_new_tokens=[1] * len(scheduled), sample_rows=list(range(len(scheduled))), is_prefill=False)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after `batch`, scheduled before `batch`'s tokens are known, so the engine can
-        launch it while `batch` still runs: the same sequences, each one token further. Only when nothing
-        waits to be admitted (a holdoff still running counts as nothing), `batch` is a decode of every
-        running sequence, and each has room for that token without a preemption. Rows of sequences that
-        `batch` finishes are computed and discarded."""
+        """The step after `batch`, scheduled before `batch`'s tokens are known, so the engine can launch it
+        while `batch` still runs. After a decode: the next decode of the same sequences, each one token
+        further; only when nothing waits to be admitted (a holdoff still running counts as nothing),
+        `batch` is a decode of every running sequence, and each has room for that token without a
+        preemption. Rows of sequences that `batch` finishes are computed and discarded. After a prefill:
+        the next prefill, when sequences wait to be admitted (a group of next turns past one step's token
+        budget), since its sequences do not depend on `batch`'s tokens; never one of an isolated sequence."""
         admitting = self.waiting and self._prefill_due()
-        if batch.is_prefill or admitting or len(batch.seqs) != len(self.running):
+        if batch.is_prefill:
+            if not admitting or self.waiting[0].isolated or any(seq.isolated for seq in batch.seqs):
+                return None
+            ahead = self._schedule_prefill()
+            self.counters.num_ahead_steps += ahead is not None
+            return ahead
+        if admitting or len(batch.seqs) != len(self.running):
             return None
         if any(seq.status is not Status.RUNNING for seq in batch.seqs):
             return None

@@ -185,3 +185,54 @@ def test_scheduling_time_leaves_out_the_launches(family_dirs):
     assert stats["engine/num_ahead_steps"] > 0
     assert stats["engine/num_steps"] > stats["engine/num_ahead_steps"]  # launches after schedule(), not only ahead
     assert stats["engine/schedule_s"] < 0.2
+
+
+def test_a_prefill_after_a_prefill_runs_ahead_and_gives_the_tokens_of_a_run_without_it(family_dirs):
+    """Prompts past one step's token budget are prefilled in several steps: each next one is launched
+    before the last one's tokens are read (other sequences), and the tokens equal a run without overlap."""
+    prompts = [list(range(5 + i, 40 + i)) for i in range(7)]  # 35 tokens each; a budget of 64 admits one a step
+    params = [SamplingParams(max_tokens=5 + i, temperature=1.0, seed=i, ignore_eos=True) for i in range(7)]
+    small = {"max_model_len": 64, "max_num_batched_tokens": 64}
+    expected = generate_all(make_engine(family_dirs["qwen2"], overlap=False, **small), prompts, params)
+    engine = make_engine(family_dirs["qwen2"], overlap=True, **small)
+    ahead_kinds, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+    def logged(batch):
+        ahead = schedule_ahead(batch)
+        ahead_kinds.append(None if ahead is None else ("prefill" if ahead.is_prefill else "decode"))
+        return ahead
+
+    engine.scheduler.schedule_ahead = logged
+    got = generate_all(engine, prompts, params)
+    assert engine.stats()["engine/num_prefill_steps"] == 7 and ahead_kinds.count("prefill") == 6
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in expected]
+    run(engine.close())
+
+
+def test_a_request_that_breaks_a_prefill_launched_ahead_fails_alone(family_dirs):
+    prompts = [list(range(5 + i, 40 + i)) for i in range(5)]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]
+    small = {"max_model_len": 64, "max_num_batched_tokens": 64}  # one prompt a prefill step
+    expected = generate_all(make_engine(family_dirs["qwen2"], overlap=False, **small), prompts, params)
+    engine = make_engine(family_dirs["qwen2"], overlap=True, **small)
+    poison = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)
+    launch = engine.runner.launch
+
+    def failing_launch(batch):  # the poisoned request breaks every prefill it is in
+        if batch.is_prefill and any(seq.params is poison for seq in batch.seqs):
+            raise RuntimeError("device assert")
+        return launch(batch)
+
+    engine.runner.launch = failing_launch
+
+    async def together():  # the poisoned one is admitted third: its prefill is launched ahead of the second's
+        requests = [engine.generate(p, s) for p, s in zip(prompts[:2], params[:2])]
+        requests += [engine.generate(prompts[0], poison)] + [engine.generate(p, s) for p, s in zip(prompts[2:], params[2:])]
+        return await asyncio.gather(*requests, return_exceptions=True)
+
+    results = run(together())
+    failed, completions = results[2], results[:2] + results[3:]
+    assert isinstance(failed, RuntimeError) and "device assert" in str(failed)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in expected]
+    assert engine.stats()["engine/kv_blocks_used"] == 0
+    run(engine.close())

@@ -151,11 +151,11 @@ def build_gather_metadata(
     output_index = (torch.arange(len(query_lens))[:, None] * width + torch.arange(width)[None, :])[valid]
     slot_mapping = key_slots.gather(1, ((lens - qlens)[:, None] + torch.arange(width)[None, :]).clamp(max=ctx - 1))
     return GatherMetadata(
-        slot_mapping=slot_mapping[valid].to(device),
-        query_index=query_index.to(device),
-        key_slots=key_slots.to(device),
-        mask=mask[:, None].to(device),
-        output_index=output_index.to(device),
+        slot_mapping=slot_mapping[valid].to(device, non_blocking=True),
+        query_index=query_index.to(device, non_blocking=True),
+        key_slots=key_slots.to(device, non_blocking=True),
+        mask=mask[:, None].to(device, non_blocking=True),
+        output_index=output_index.to(device, non_blocking=True),
     )
 
 
@@ -175,10 +175,10 @@ def build_varlen_metadata(
     key_slots = tables[owner, positions // block_size] * block_size + positions % block_size
     computed = positions >= (lens - qlens)[owner]
     return VarlenMetadata(
-        slot_mapping=key_slots[computed].to(device),
-        cu_seq_q=torch.nn.functional.pad(torch.cumsum(qlens, 0), (1, 0)).to(torch.int32).to(device),
-        cu_seq_k=torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(device),
-        packed_key_slots=key_slots.to(device),
+        slot_mapping=key_slots[computed].to(device, non_blocking=True),
+        cu_seq_q=torch.nn.functional.pad(torch.cumsum(qlens, 0), (1, 0)).to(torch.int32).to(device, non_blocking=True),
+        cu_seq_k=torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(device, non_blocking=True),
+        packed_key_slots=key_slots.to(device, non_blocking=True),
         max_q=max(query_lens),
         max_k=max(context_lens),
     )

@@ -65,7 +65,8 @@ async def _play_turns(
         room = mt.max_total_tokens - len(trace.token_ids)
         if room < 1:
             break
-        completion = await generator.generate(list(trace.token_ids), dataclasses.replace(params, max_tokens=min(params.max_tokens, room)))
+        turn_params = params if params.max_tokens <= room else dataclasses.replace(params, max_tokens=room)  # a replace validates every field again
+        completion = await generator.generate(list(trace.token_ids), turn_params)
         turns.append(_turn(len(trace.token_ids), completion, generator))
         trace.append_sampled(completion)
         messages.append({"role": "assistant", "content": decode(completion.token_ids, skip_special_tokens=True)})

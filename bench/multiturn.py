@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--group_size", type=int, default=None)
     parser.add_argument("--turn_tokens", type=int, default=None)
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
+    parser.add_argument("--overlap_prefills", action="store_true", help="the engine's prefill overlap (EngineSettings)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     args = parser.parse_args()
     shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else ("0.5b", 64, 8, 128)
@@ -181,8 +182,8 @@ def main() -> None:
     prompts = [[rng.randrange(400, SHAPES[shape]["vocab_size"]) for _ in range(128)] for _ in range(num_prompts)]
     toolbox = ToolBox([python_tool(lookup)], timeout_s=5)
     mt = MultiTurn(env=BenchEnv(toolbox), chat=ChatFormat(tokenizer, toolbox.schemas), max_turns=NUM_TURNS, max_total_tokens=2048)
-    engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps), model=model, tokenizer=tokenizer)
-    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50, "prefill_wait_steps": args.prefill_wait_steps}
+    engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps, overlap_prefills=args.overlap_prefills), model=model, tokenizer=tokenizer)
+    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50, "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills}
 
     def part(small: bool) -> list[list[int]]:
         return prompts[:2] if small else prompts

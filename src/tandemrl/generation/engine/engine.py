@@ -7,7 +7,7 @@ prefix cache. `generate` may be awaited from any asyncio loop; cancelling it abo
 
 Overlap (on CUDA): a decode step launches the next decode of the same sequences before it waits for
 its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while the device computes;
-a prefill step launches the next prefill (other sequences that wait) the same way.
+with --overlap_prefills a prefill step launches the next prefill (other sequences that wait) the same way.
 That step is in flight between two calls of `step`; whatever needs the engine still (weight updates,
 sleep, wake) finishes it first, under the step lock. Sampling noise depends on (seed, position) alone,
 so the tokens are those of a run without overlap; rows of sequences that finished are dropped.
@@ -115,6 +115,7 @@ class Engine:
             max_model_len=self.max_model_len,
             detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
             prefill_wait_steps=config.prefill_wait_steps,
+            overlap_prefills=config.overlap_prefills,
         )
         self.overlap = self.device.type == "cuda"  # launch the next decode before waiting (module docstring)
         self._ahead: tuple[ScheduledBatch, Launched, int] | None = None  # that step and its version, in flight

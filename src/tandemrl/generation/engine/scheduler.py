@@ -61,6 +61,7 @@ class Scheduler:
         max_model_len: int,
         detokenize: Callable[[list[int]], str] | None = None,
         prefill_wait_steps: int = 0,
+        overlap_prefills: bool = False,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -68,6 +69,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.detokenize = detokenize
         self.prefill_wait_steps = prefill_wait_steps
+        self.overlap_prefills = overlap_prefills
         self.num_decode_steps = 0  # decode steps scheduled so far: the clock of prefill_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -158,12 +160,13 @@ class Scheduler:
         while `batch` still runs. After a decode: the next decode of the same sequences, each one token
         further; only when nothing waits to be admitted (a holdoff still running counts as nothing),
         `batch` is a decode of every running sequence, and each has room for that token without a
-        preemption. Rows of sequences that `batch` finishes are computed and discarded. After a prefill:
-        the next prefill, when sequences wait to be admitted (a group of next turns past one step's token
-        budget), since its sequences do not depend on `batch`'s tokens; never one of an isolated sequence."""
+        preemption. Rows of sequences that `batch` finishes are computed and discarded. After a prefill,
+        with overlap_prefills: the next prefill, when sequences wait to be admitted (a group of next turns
+        past one step's token budget), since its sequences do not depend on `batch`'s tokens; never one of
+        an isolated sequence."""
         admitting = self.waiting and self._prefill_due()
         if batch.is_prefill:
-            if not admitting or self.waiting[0].isolated or any(seq.isolated for seq in batch.seqs):
+            if not (admitting and self.overlap_prefills) or self.waiting[0].isolated or any(seq.isolated for seq in batch.seqs):
                 return None
             ahead = self._schedule_prefill()
             self.counters.num_ahead_steps += ahead is not None

@@ -192,7 +192,7 @@ def test_a_prefill_after_a_prefill_runs_ahead_and_gives_the_tokens_of_a_run_with
     before the last one's tokens are read (other sequences), and the tokens equal a run without overlap."""
     prompts = [list(range(5 + i, 40 + i)) for i in range(7)]  # 35 tokens each; a budget of 64 admits one a step
     params = [SamplingParams(max_tokens=5 + i, temperature=1.0, seed=i, ignore_eos=True) for i in range(7)]
-    small = {"max_model_len": 64, "max_num_batched_tokens": 64}
+    small = {"max_model_len": 64, "max_num_batched_tokens": 64, "overlap_prefills": True}
     expected = generate_all(make_engine(family_dirs["qwen2"], overlap=False, **small), prompts, params)
     engine = make_engine(family_dirs["qwen2"], overlap=True, **small)
     ahead_kinds, schedule_ahead = [], engine.scheduler.schedule_ahead
@@ -212,7 +212,7 @@ def test_a_prefill_after_a_prefill_runs_ahead_and_gives_the_tokens_of_a_run_with
 def test_a_request_that_breaks_a_prefill_launched_ahead_fails_alone(family_dirs):
     prompts = [list(range(5 + i, 40 + i)) for i in range(5)]
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]
-    small = {"max_model_len": 64, "max_num_batched_tokens": 64}  # one prompt a prefill step
+    small = {"max_model_len": 64, "max_num_batched_tokens": 64, "overlap_prefills": True}  # one prompt a prefill step
     expected = generate_all(make_engine(family_dirs["qwen2"], overlap=False, **small), prompts, params)
     engine = make_engine(family_dirs["qwen2"], overlap=True, **small)
     poison = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)

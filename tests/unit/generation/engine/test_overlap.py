@@ -205,7 +205,9 @@ def test_a_prefill_after_a_prefill_runs_ahead_and_gives_the_tokens_of_a_run_with
     engine.scheduler.schedule_ahead = logged
     got = generate_all(engine, prompts, params)
     assert engine.stats()["engine/num_prefill_steps"] == 7 and ahead_kinds.count("prefill") == 6
-    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in expected]
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    # decode batches differ in size between the two runs: float32 rows may differ in the last bits
+    assert torch.allclose(torch.tensor([x for c in got for x in c.logprobs]), torch.tensor([x for c in expected for x in c.logprobs]), atol=1e-5)
     run(engine.close())
 
 

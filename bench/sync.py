@@ -9,7 +9,8 @@ publishes through (DistributedSync), from the first byte to every server's answe
 
 Prints one JSON line per sync, then one per shape: warm median seconds, GB/s, the bar of issue 13
 (NCCL >= 150 GB/s on two H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's
-own send time, and whether the server's greedy tokens equal the trainer's after the last sync.
+own send time, whether the server's greedy tokens equal the trainer's after the last sync, and whether
+they equal those of a fresh server loaded from disk with the trainer's final weights (same engine: must).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,7 @@ def save_model(path: str, shape: dict, dtype: torch.dtype) -> None:
 
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model("qwen2", bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, **shape)
+    torch.manual_seed(0)  # the same random model in every run (transports compared on the same weights)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
@@ -84,6 +87,34 @@ def timed(call, seconds: list[float]):
             seconds.append(time.perf_counter() - start)
 
     return wrapper
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_of_loaded(trainer, model_dir: str, server_device: str, prompt_ids: list[int], args: argparse.Namespace) -> list[int]:
+    """The greedy tokens of a fresh server that loaded the trainer's final weights from disk: the same
+    engine and kernels as the synced server, so equal weights give equal tokens (bf16 near-ties cannot
+    explain a difference, as they can between the engine and transformers' generate)."""
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RolloutClient
+    from tandemrl.types import SamplingParams
+
+    with tempfile.TemporaryDirectory() as final_dir:
+        trainer.save_pretrained(final_dir)
+        for name in os.listdir(model_dir):
+            if "token" in name or name.endswith(("vocab.json", "merges.txt")):
+                shutil.copy(os.path.join(model_dir, name), final_dir)
+        server, url = start_server(final_dir, server_device, args.backend, args.server_args.split(), gpu=args.server_gpu)
+        try:
+            client = RolloutClient(RemoteConfig(urls=(url,), rollout_server_timeout=600))
+            tokens = client.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
+            client.close()
+            return tokens
+        finally:
+            server.terminate()
+            server.wait(30)
 
 
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
@@ -127,6 +158,9 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
                 local = trainer.generate(torch.tensor([prompt_ids], device=args.device), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 16:].tolist()
             client.close()
             runner.close()
+            server.terminate()
+            server.wait(30)
+            loaded = greedy_of_loaded(trainer, model_dir, server_device, prompt_ids, args)
         finally:
             server.terminate()
             server.wait(30)
@@ -136,7 +170,8 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     summary = {"bench": "sync", "shape": shape, "transport": args.transport, "GB": round(num_bytes / 1e9, 3), "first_s": round(times[0], 4),
                "warm_median_s": round(warm_s, 5), "GB/s": round(num_bytes / warm_s / 1e9, 1), "send_median_s": round(send, 5),
                "bar_GB/s": bar, "vs_bar": round(num_bytes / warm_s / 1e9 / bar, 3) if bar else None,
-               "greedy_same_prefix": next((i for i, (a, b) in enumerate(zip(served, local)) if a != b), len(local)), "of": len(local)}
+               "greedy_same_prefix": same_prefix(served, local), "of": len(local),
+               "loaded_same_prefix": same_prefix(served, loaded)}
     print(json.dumps(summary))
     return summary
 
@@ -157,7 +192,8 @@ def main() -> None:
     for s in summaries:
         print(f"sync {s['transport']} {s['shape']} {s['GB']:.2f} GB: warm median {s['warm_median_s']:.4f} s, {s['GB/s']:.1f} GB/s"
               + (f", {s['vs_bar']:.2f}x the bar of {s['bar_GB/s']:.0f} GB/s" if s["bar_GB/s"] else "")
-              + f"; greedy {s['greedy_same_prefix']}/{s['of']} tokens equal the trainer's")
+              + f"; greedy {s['greedy_same_prefix']}/{s['of']} tokens equal the trainer's,"
+              + f" {s['loaded_same_prefix']}/{s['of']} a fresh server's loaded with the same weights (must be all)")
 
 
 if __name__ == "__main__":

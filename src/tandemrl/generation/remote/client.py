@@ -88,10 +88,20 @@ class RolloutClient:
     def close(self) -> None:
         if self._loop.is_closed():
             return
-        self._run(self._http.aclose()).result()
+        self._run(self._shut_down()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+    async def _shut_down(self) -> None:
+        """Cancels what is still in flight (e.g. a batch retrying a dead server), then closes the connections;
+        a task left pending when the loop closes would be destroyed with asyncio's error line."""
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+        await self._http.aclose()
 
     # --- generation -------------------------------------------------------------------------
 

@@ -198,12 +198,12 @@ class Engine:
             self._load_weights(weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if not isinstance(weights, list):  # a list goes as is: the model reuses its plan for one laid out as the last
-            weights = iter(weights)
+        # a list goes as is (the model reuses its plan for one laid out as the last); draining it is a no-op
+        weights = weights if isinstance(weights, list) else iter(weights)
         try:
             self.weights.written(self.model.load_weights(weights))
         finally:  # read to its end even after an error: a broadcast keeps every rank at the same message
-            for _ in weights if not isinstance(weights, list) else ():
+            for _ in weights:
                 pass
         self.blocks.reset_prefix_cache()
         self.version = version

@@ -6,10 +6,12 @@ publishes through (DistributedSync), from the first byte to every server's answe
     python bench/sync.py --transport nccl                   # two GPUs: the server on cuda:1
     python bench/sync.py --device cpu --transport gloo --shapes tiny   # anywhere: checks the script
     python bench/sync.py --device cpu --transport gloo --shapes tiny28 --server_args ""   # the per-tensor fixed cost, on CPU
+    python bench/sync.py --device cpu --transport ipc --shapes tiny28 --server_args ""    # IPC's protocol on CPU (a shared file)
 
-Prints one JSON line per sync, then one per shape: warm median seconds, GB/s, the bar of issue 13
-(NCCL >= 150 GB/s on two H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's
-own send time, whether the server's greedy tokens equal the trainer's after the last sync, and whether
+Prints one JSON line per sync (with the trainer's phases in ms: a full update's hello, plan, meta,
+payload, end; a staged CUDA IPC update's plan, payload and live, the announce until every server made it
+live), then one per shape: warm median seconds, GB/s, the bar of issue 13 (NCCL >= 150 GB/s on two
+H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's own send time, whether the server's greedy tokens equal the trainer's after the last sync, and whether
 they equal those of a fresh server loaded from disk with the trainer's final weights (same engine: must).
 """
 
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
+import contextlib
+import gc
 import json
 import os
 import re
@@ -75,18 +78,26 @@ def start_server(
     raise RuntimeError(f"server exited with {proc.wait()}")
 
 
-def timed(call, seconds: list[float]):
-    """`call`, appending the seconds each call takes to `seconds`."""
+class FullCollections:
+    """While entered, the milliseconds of each full (generation 2) garbage collection in this process, in `ms`."""
 
-    @functools.wraps(call)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._start = 0.0
 
-    return wrapper
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._start = time.perf_counter()
+            else:
+                self.ms.append((time.perf_counter() - self._start) * 1e3)
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -120,6 +131,7 @@ def greedy_of_loaded(trainer, model_dir: str, server_device: str, prompt_ids: li
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from tandemrl.cli import frozen_heap
     from tandemrl.generation.base import RemoteConfig
     from tandemrl.generation.remote import RolloutClient
     from tandemrl.types import SamplingParams
@@ -135,23 +147,29 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
             trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
             num_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
             client = RolloutClient(RemoteConfig(urls=(url,), rollout_server_timeout=600))
-            config = DistributedSyncConfig(weight_sync_port=0, weight_sync_backend=args.transport, weight_sync_bucket_mb=args.bucket_mb)
+            config = DistributedSyncConfig(
+                weight_sync_port=0, weight_sync_backend=args.transport, weight_sync_bucket_mb=args.bucket_mb, weight_sync_ipc_reuse=not args.no_ipc_reuse
+            )
             sync = DistributedSync(config, client)  # what `tandem train --rollout_mode server` publishes through
             send_s: list[float] = []
-            sync.sender.send = timed(sync.sender.send, send_s)
             times = []
+            pauses = FullCollections()
             runner = asyncio.Runner()  # one event loop for every update, as the trainer's (pipeline/loop.py)
-            for version in range(1, args.num_syncs + 1):
-                with torch.no_grad():
-                    trainer.model.norm.weight.add_(1.0)  # a new policy each time
-                torch.cuda.synchronize() if args.device.startswith("cuda") else None
-                start = time.perf_counter()
-                runner.run(sync.publish(trainer.named_parameters(), version=version))
-                times.append(time.perf_counter() - start)
-                assert client.readiness()[0]["policy_version"] == version
-                print(json.dumps({"bench": "sync", "shape": shape, "transport": args.transport, "version": version, "bytes": num_bytes,
-                                  "seconds": round(times[-1], 5), "send_s": round(send_s[-1], 5), "GB/s": round(num_bytes / times[-1] / 1e9, 2),
-                                  "send_ms": {k: round(v * 1e3, 2) for k, v in sync.sender.phases.items()}}))
+            with frozen_heap() if not args.gc_as_is else contextlib.nullcontext(), pauses:  # as `tandem train` runs
+                for version in range(1, args.num_syncs + 1):
+                    with torch.no_grad():
+                        trainer.model.norm.weight.add_(1.0)  # a new policy each time
+                    torch.cuda.synchronize() if args.device.startswith("cuda") else None
+                    pauses.ms.clear()
+                    start = time.perf_counter()
+                    runner.run(sync.publish(trainer.named_parameters(), version=version))
+                    times.append(time.perf_counter() - start)
+                    send_s.append(sum(s for phase, s in sync.sender.phases.items() if phase != "live"))
+                    assert client.readiness()[0]["policy_version"] == version
+                    print(json.dumps({"bench": "sync", "shape": shape, "transport": args.transport, "version": version, "bytes": num_bytes,
+                                      "seconds": round(times[-1], 5), "send_s": round(send_s[-1], 5), "GB/s": round(num_bytes / times[-1] / 1e9, 2),
+                                      "send_ms": {k: round(v * 1e3, 2) for k, v in sync.sender.phases.items()},
+                                      "full_gc_ms": [round(ms, 1) for ms in pauses.ms]}))
             prompt_ids = list(range(100, 116))
             served = client.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
             with torch.no_grad():
@@ -184,6 +202,8 @@ def main() -> None:
     parser.add_argument("--server_device", default="", help="the server's --device (default: cuda:1 for nccl, else the trainer's)")
     parser.add_argument("--server_gpu", type=int, default=None, help="instead: pin the server to this physical GPU (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--bucket_mb", type=float, default=256)
+    parser.add_argument("--gc_as_is", action="store_true", help="no frozen heap in this process (tandem train and the server run with one)")
+    parser.add_argument("--no_ipc_reuse", action="store_true", help="CUDA IPC: every update through the group in full (the path before staged updates)")
     parser.add_argument("--num_syncs", type=int, default=6)
     parser.add_argument("--backend", default="engine")
     parser.add_argument("--server_args", default="--gpu_memory_utilization 0.3")

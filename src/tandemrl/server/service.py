@@ -24,7 +24,7 @@ from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.threads import in_daemon_thread
 from tandemrl.types import Completion, SamplingParams
-from tandemrl.weights.group import WeightReceiver
+from tandemrl.weights.group import NotStaged, WeightReceiver
 
 log = logging.getLogger(__name__)
 JOIN_SLACK_S = 5.0  # past the group's own timeout, the server stops waiting for torch's rendezvous
@@ -235,12 +235,13 @@ class RolloutService:
             self.receiver.adopt(spec["group_id"], group)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
 
-    async def update_weights(self, *, version: int, mode: str, hangup: Awaitable[Any] | None = None) -> tuple[int, int, float]:
+    async def update_weights(self, *, version: int, mode: str, hangup: Awaitable[Any] | None = None, staged: str = "") -> tuple[int, int, float]:
         """Receives a whole update, then makes `version` live. Returns (tensors, bytes, seconds).
 
         On a failed transfer the staging is dropped, the previous version stays live, and the error is raised.
         `hangup` completes when the trainer that announced the update hangs up (its process died): the
-        receive is then given up at once.
+        receive is then given up at once. `staged` (CUDA IPC): the update is already in the staging buffer,
+        laid out as the last one (this digest); NotStaged (a ValueError) when it is not.
         """
         assert self.receiver is not None
         async with self._update_lock:
@@ -248,13 +249,16 @@ class RolloutService:
             start = time.perf_counter()
             try:
                 try:
-                    staging = await self._receive(hangup)
+                    staging = self.receiver.staged(staged) if staged else await self._receive(hangup)
+                except NotStaged:
+                    raise
                 except Exception as error:
                     self.counters.weight_syncs["failed"] += 1
                     log.error("weight sync to version %d failed (%s); keeping version %d and serving", version, error, self.generator.version)
                     raise
                 received = time.perf_counter()
                 await self._apply(staging, version=version, mode=mode)
+                self.receiver.settle()  # CUDA IPC: the staging buffer read before the trainer hears "live"
             finally:
                 self.update_in_progress = False
             seconds = time.perf_counter() - start

@@ -200,6 +200,9 @@ class WeightUpdateRequest(BaseModel):
     version: int = Field(ge=0)
     mode: Literal["drain", "pause"] = "drain"
     group_id: str = Field(max_length=64)
+    staged: str = Field(default="", max_length=64)
+    """CUDA IPC: the trainer already wrote the update into this server's staging buffer, laid out as the
+    last update received (this digest); nothing travels over the group."""
 
 
 class WeightUpdateResponse(BaseModel):

@@ -134,6 +134,7 @@ def views(metas: list[dict[str, Any]], flat: Tensor, base: int = 0) -> list[Tens
     return out
 
 
+@torch.no_grad()
 def pack(window: Window, tensors: list[Tensor], flat: Tensor, bucket: int | None = None) -> None:
     """Copies the window's tensors (or one bucket's) into `flat` (the window's bytes, or that bucket's)."""
     first, end = (0, len(tensors)) if bucket is None else window.buckets[bucket][2:]
@@ -164,15 +165,24 @@ class Planner:
         self.bucket_bytes, self.window_bytes = bucket_bytes, window_bytes
         self._last: tuple[Window, list[tuple[str, torch.dtype, torch.Size]]] | None = None
 
-    def windows(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[Window, list[Tensor]]]:
+    def match(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[tuple[Window, list[Tensor]] | None, Iterable[tuple[str, Tensor]]]:
+        """((the last window, these tensors), the weights as a list) when `weights` are laid out as the
+        last update; else (None, the same weights, none of them lost). Tensors are not detached: `pack`
+        copies without autograd."""
         stream = iter(weights)
-        if self._last is not None:
-            window, keys = self._last
-            items = list(itertools.islice(stream, len(keys) + 1))
-            if len(items) == len(keys) and all(name == k[0] and t.dtype == k[1] and t.shape == k[2] for (name, t), k in zip(items, keys)):
-                yield window, [t.detach() for _, t in items]
-                return
-            stream = itertools.chain(items, stream)
+        if self._last is None:
+            return None, stream
+        window, keys = self._last
+        items = list(itertools.islice(stream, len(keys) + 1))
+        if len(items) == len(keys) and all(name == k[0] and t.dtype == k[1] and t.shape == k[2] for (name, t), k in zip(items, keys)):
+            return (window, [t for _, t in items]), items
+        return None, itertools.chain(items, stream)
+
+    def windows(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[Window, list[Tensor]]]:
+        matched, stream = self.match(weights)
+        if matched is not None:
+            yield matched
+            return
         self._last = None
         for i, (window, tensors) in enumerate(plan_windows(stream, self.bucket_bytes, self.window_bytes)):
             if i == 0 and window.last:

@@ -6,7 +6,9 @@ a failure or a server restart) and pushes; the rollout client (generation/remote
 carries the HTTP calls that tell the servers to join a group and to receive an update.
 
 Invariant: a publish either makes `version` live on every server or raises one error naming the
-version; after a failure the group is dropped and the next publish forms a new one.
+version; after a failure the group is dropped and the next publish forms a new one. With CUDA IPC an
+update laid out as the last one is written into the servers' staging buffers first and announced after
+(group.py); a server that does not take it so (it restarted, left the group) gets it in full.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -54,6 +57,9 @@ class DistributedSync:
         try:
             if self.sender.group_id is None:
                 await self._form_group(first[1])
+            weights = await self._push_staged(weights, version)
+            if weights is None:
+                return
             try:  # a live group costs no readiness round trip: the update's first collective checks it
                 await self._push(weights, version)
             except NotStarted as error:  # a server restarted or left the group since the last update; no tensor taken
@@ -89,6 +95,27 @@ class DistributedSync:
             joins.cancel()
             raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
         log.info("weight-sync group %s formed with %d server(s) over %s", self.sender.group_id, len(self.client.urls), transport)
+
+    async def _push_staged(self, weights: Iterable[tuple[str, Tensor]], version: int) -> Iterable[tuple[str, Tensor]] | None:
+        """CUDA IPC, laid out as the last update: the update written into the servers' buffers, then one
+        request each makes it live; None once done. Otherwise the weights to send in full (none lost), in a
+        group formed again when a server did not take the staged update."""
+        if not self.sender.can_stage:
+            return weights
+        layout, weights = await in_daemon_thread(functools.partial(self.sender.stage, weights), name="weight-sync-stage")
+        if layout is None:
+            return weights
+        body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id, "staged": layout}
+        start = time.perf_counter()
+        try:
+            await self.client.announce_update(body, timeout_s=self.config.weight_sync_timeout_s)
+        except Exception as error:  # noqa: BLE001 - any refusal: the full path says what is wrong, in a new group
+            log.info("a server did not take staged version %d (%s); sending it in full in a new group", version, error)
+            self.sender.close_group()
+            await self._form_group(next(iter(weights))[1])
+            return weights
+        self.sender.phases["live"] = time.perf_counter() - start
+        return None
 
     async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Sends every window while each server receives, then waits for each to make `version` live. A

@@ -8,6 +8,12 @@ buckets); then nccl/gloo: one broadcast per bucket, the trainer packing bucket k
 the wire (two buffers); ipc: the servers' buffer handles gathered, the trainer writes the window into
 each; then the end mark (gloo). An update is windows until one marked last.
 
+CUDA IPC, an update laid out as the last one (one window): no collective at all. The trainer writes it
+into the servers' staging buffers mapped at that update (`WeightSender.stage`) and announces it with the
+layout's digest; each server makes its staging live (`WeightReceiver.staged`), and before it answers that
+the version is live, its copies out of the buffer have run (`settle`), so the trainer may write the next
+update unannounced. A trainer that dies while writing never announced it: the server keeps its version.
+
 Invariants: every collective has a deadline (--weight_sync_timeout_s of no progress), and no thread
 ever blocks inside an NCCL wait: completion is polled, so a dead peer is an error within the deadline
 (at once where the gloo end mark sees the peer's socket close), never a hang, and no CUDA stream is
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -50,6 +57,10 @@ POLL_S = 5e-5  # between completion checks of a collective in flight
 META_HEAD_BYTES = 64 * 1024  # the first metadata broadcast's fixed size (a 1.5B model's metadata is ~35 KB)
 HANDLE_BYTES = 4096  # a server's CUDA IPC handle, JSON, padded
 WINDOW_BUCKETS = 16  # a window spans at most this many buckets' bytes: what the trainer holds of a lazy producer
+
+
+class NotStaged(ValueError):
+    """A server has no staged update of the announced layout (CUDA IPC): the trainer sends it in full."""
 
 
 class NotStarted(ConnectionError):
@@ -208,6 +219,17 @@ class _Group:
         return thread
 
 
+def digest(window: Window) -> str:
+    """A window's layout (its metadata message), in a few bytes."""
+    return hashlib.sha1(window.encode()).hexdigest()
+
+
+def _settle(flat: Tensor) -> None:
+    """Waits for this thread's stream's work (the copies into or out of `flat`) to finish; no-op on CPU."""
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+
+
 def _release(groups: list[Any], abort: bool) -> None:
     if abort:
         try:
@@ -231,6 +253,7 @@ class WeightSender:
         self._planner: Planner | None = None  # the last update's layout, reused while the group lives
         self.phases: dict[str, float] = {}  # the last send's seconds by phase (hello, plan, meta, payload, end)
         self._mapped: dict[str, Tensor] = {}  # servers' IPC buffers opened in this process, by handle
+        self._staged: tuple[Window, str, list[Tensor]] | None = None  # IPC: the last update's window, digest, servers' buffers
         self._releasing: list[threading.Thread] = []  # groups being torn down (close() waits for them)
 
     def plan(self, *, num_servers: int, transport: str, master_addr: str) -> list[dict[str, Any]]:
@@ -270,23 +293,53 @@ class WeightSender:
             bucket_bytes = max(1, int(self.config.weight_sync_bucket_mb * 2**20))
             self._planner = Planner(bucket_bytes, WINDOW_BUCKETS * bucket_bytes)
         clock = Phases()
+        self._staged = None
         group.hello(cancel)  # NotStarted, with no tensor taken, when a server left the group
         clock.lap("hello")
         num_tensors = num_bytes = 0
+        written: list[tuple[Window, list[Tensor]]] = []  # IPC: each window and the servers' buffers it went into
         for window, tensors in self._planner.windows(weights):
             clock.lap("plan")
             group.send_meta(window.encode())
             clock.lap("meta")
             if group.transport == "ipc":
-                self._write_ipc(group, window, tensors)
+                written.append((window, self._write_ipc(group, window, tensors)))
             else:
                 self._broadcast_buckets(group, window, tensors, cancel)
             clock.lap("payload")
             group.finish([group.end_mark()], cancel=cancel)
             clock.lap("end")
             num_tensors, num_bytes = num_tensors + len(tensors), num_bytes + window.num_bytes
+        if len(written) == 1 and self.config.weight_sync_ipc_reuse:  # the planner keeps a one-window layout
+            self._staged = (written[0][0], digest(written[0][0]), written[0][1])
         self.phases = clock.seconds
         return num_tensors, num_bytes
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether the last update left mapped servers' buffers that `stage` may write the next one into."""
+        return self._staged is not None
+
+    def stage(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[str | None, Iterable[tuple[str, Tensor]]]:
+        """CUDA IPC, an update laid out as the last one sent: writes it into every server's staging buffer
+        (mapped at that update) and returns (the layout's digest, the weights as a list); the caller then
+        tells the servers to make it live (`WeightReceiver.staged`). Otherwise (None, the same weights, none
+        lost) and `send` moves them. Call only once the last update's servers answered that it is live."""
+        staged = self._staged
+        if staged is None or self._planner is None:
+            return None, weights
+        window, layout, buffers = staged
+        clock = Phases()
+        matched, weights = self._planner.match(weights)
+        clock.lap("plan")
+        if matched is None or matched[0] is not window:
+            return None, weights
+        for flat in buffers:
+            pack(window, matched[1], flat)
+        _settle(buffers[0])  # written before the servers are told
+        clock.lap("payload")
+        self.phases = clock.seconds
+        return layout, weights
 
     def _broadcast_buckets(self, group: _Group, window: Window, tensors: list[Tensor], cancel: threading.Event | None) -> None:
         """One broadcast per bucket; bucket k+1 is packed into the other buffer while bucket k travels."""
@@ -305,15 +358,19 @@ class WeightSender:
             self._buffers[index] = buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         return buffer[:num_bytes]
 
-    def _write_ipc(self, group: _Group, window: Window, tensors: list[Tensor]) -> None:
-        """Writes the window straight into every server's staging buffer (one GPU: no byte is copied twice)."""
+    def _write_ipc(self, group: _Group, window: Window, tensors: list[Tensor]) -> list[Tensor]:
+        """Writes the window straight into every server's staging buffer (one GPU: no byte is copied twice);
+        returns those buffers (the window's bytes of each), in rank order."""
         device = tensors[0].device
+        buffers = []
         for handle in group.gather_handles(None):
             key = json.dumps(handle, sort_keys=True)
             if key not in self._mapped:
                 self._mapped[key] = ipc.open_shared(handle, device)
-            pack(window, tensors, self._mapped[key][: window.num_bytes])
-        torch.cuda.current_stream(device).synchronize()  # written before the end mark tells the servers so
+            buffers.append(self._mapped[key][: window.num_bytes])
+            pack(window, tensors, buffers[-1])
+        _settle(buffers[0])  # written before the end mark tells the servers so
+        return buffers
 
     def close_group(self) -> None:
         self._releasing = [t for t in self._releasing if t.is_alive()]
@@ -322,6 +379,7 @@ class WeightSender:
         self._group, self.group_id = None, None
         self._mapped.clear()
         self._planner = None  # its windows hold views into the mapped buffers
+        self._staged = None
 
     def close(self, wait_s: float = 10.0) -> None:
         """Drops the group and the store; waits up to `wait_s` for groups still being torn down."""
@@ -344,6 +402,7 @@ class WeightReceiver:
         self._lock = threading.Lock()  # a receive left behind and the server's event loop may both drop the group
         self._buffers: list[tuple[Tensor, dict[str, Any] | None]] = []  # per window: its staging buffer (kept), IPC handle
         self._window: Window | None = None  # the last metadata received, decoded (an update like the last reuses it)
+        self._staged: str | None = None  # IPC: digest of the one-window layout last received whole in this group
         self.phases: dict[str, float] = {}  # the last receive's seconds by phase (hello, meta, payload, unpack)
 
     def join(self, spec: dict[str, Any]) -> None:
@@ -362,6 +421,11 @@ class WeightReceiver:
         )
 
     def adopt(self, group_id: str, group: _Group) -> None:
+        if any(handle is not None for _, handle in self._buffers):  # a trainer of an earlier group may still write them
+            self._buffers = []
+            if self._window is not None:
+                self._window.views.clear()
+        self._staged = None
         self._group, self.group_id = group, group_id
 
     def stalled_s(self) -> float:
@@ -383,6 +447,7 @@ class WeightReceiver:
         group.progress_at = time.monotonic()
         staging: Named = []
         clock = Phases()
+        self._staged = None
         try:
             group.hello()
             clock.lap("hello")
@@ -400,8 +465,29 @@ class WeightReceiver:
         except BaseException:
             self._drop(group)
             raise
+        if group.transport == "ipc" and index == 0:
+            self._staged = digest(window)
         self.phases = clock.seconds
         return staging
+
+    def staged(self, layout: str) -> Named:
+        """The update the trainer wrote into this server's staging buffer (CUDA IPC, `WeightSender.stage`),
+        laid out as the last one received whole in this group (`layout`: its digest). NotStaged when it is
+        not (never received, another layout, a failed receive since): the trainer then sends it in full."""
+        window = self._window
+        if self._group is None or self._staged is None or layout != self._staged or window is None:
+            raise NotStaged(f"no staged update laid out as {layout[:12]} in this server's weight-sync group; send it in full")
+        start = time.perf_counter()
+        staging = unpack(window, self._buffers[0][0][: window.num_bytes])
+        self.phases = {"unpack": time.perf_counter() - start}
+        return staging
+
+    def settle(self) -> None:
+        """After an update was applied: with CUDA IPC, returns once the copies out of the staging buffer
+        ran (the engine copies on the default stream), since the trainer writes the next update into it,
+        unannounced, as soon as it hears that this one is live. A stream's wait, not the device's."""
+        if self._buffers and self._buffers[0][1] is not None:
+            _settle(self._buffers[0][0])
 
     def _decode(self, data: bytes) -> Window:
         if self._window is None or self._window.encoded != data:
@@ -418,12 +504,12 @@ class WeightReceiver:
         not wait for it. [bytes]"""
         kept = self._buffers[index] if index < len(self._buffers) else None
         if kept is None or kept[0].numel() < num_bytes or kept[0].device != device or (share and kept[1] is None):
-            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-            self._buffers[index : index + 1] = [(buffer, ipc.share(buffer) if share else None)]
+            buffer, handle = ipc.shared_buffer(num_bytes, device) if share else (torch.empty(num_bytes, dtype=torch.uint8, device=device), None)
+            self._buffers[index : index + 1] = [(buffer, handle)]
             if self._window is not None:
                 self._window.views.clear()  # views into the buffer replaced: let it go
         buffer = self._buffers[index][0]
-        if share:
+        if share and buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)
         return buffer[:num_bytes]
 

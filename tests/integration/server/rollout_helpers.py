@@ -135,12 +135,13 @@ def sync(mode: str = "drain", backend: str = "auto") -> DistributedSyncConfig:
 _SYNCS: weakref.WeakKeyDictionary[RolloutClient, dict[str, DistributedSync]] = weakref.WeakKeyDictionary()
 
 
-def push(client: RolloutClient, weights: Iterable, *, version: int, config: DistributedSyncConfig) -> None:
+def push(client: RolloutClient, weights: Iterable, *, version: int, config: DistributedSyncConfig) -> DistributedSync:
     """Publishes `weights` at `version` to the client's servers, as the trainer does; one DistributedSync
-    per client and config, so its group lives across pushes."""
+    per client and config, so its group lives across pushes (returned)."""
     syncs = _SYNCS.setdefault(client, {})
     sync = syncs.setdefault(repr(config), DistributedSync(config, client))
     asyncio.run(sync.publish(weights, version=version))
+    return sync
 
 
 TRAINER = """

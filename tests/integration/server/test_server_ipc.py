@@ -1,9 +1,13 @@
 """Weight sync by CUDA IPC: the trainer (this process) and a real `tandem rollout` share one GPU, and the
-trainer writes each update straight into the server's staging buffer (reused across updates, so the
-second and third updates go through buffers mapped by the first). The update lands whole, bumps the
-version, and the server's greedy tokens equal the trainer's."""
+trainer writes each update straight into the server's staging buffer (reused across updates, so later
+updates go through buffers mapped by the first). With reuse off every update goes through the group; on
+(the default), the second and third are staged: written into the mapped buffer, then announced by one
+request. The update lands whole, bumps the version, and the server's greedy tokens equal the trainer's;
+bytes written and never announced (a trainer dying mid-write) change nothing served."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,13 +24,23 @@ def test_ipc_updates_make_server_greedy_equal_trainer_greedy_and_bump_the_versio
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=120))
     try:
         prompt_ids = tiny_tokenizer.encode("hello")
-        for version, seed in ((1, 11), (2, 12), (3, 11)):  # 3 re-sends 1's weights: nothing of 2 may remain
-            model = trainer_model(tiny_model_dir, seed)
-            push(client, [(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()], version=version, config=sync())  # auto: one GPU -> ipc
-            assert client.readiness()[0]["policy_version"] == version
-            served = client.generate(prompt_ids, GREEDY)
-            assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
-            assert served.policy_versions == [version] * len(served.token_ids)
+        version = 0
+        for reuse in (False, True):
+            config = dataclasses.replace(sync(), weight_sync_ipc_reuse=reuse)  # auto: one GPU -> ipc
+            for seed in (11, 12, 11):  # the third re-sends the first's weights: nothing of the second may remain
+                version += 1
+                model = trainer_model(tiny_model_dir, seed)
+                publisher = push(client, [(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()], version=version, config=config)
+                assert client.readiness()[0]["policy_version"] == version
+                served = client.generate(prompt_ids, GREEDY)
+                assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
+                assert served.policy_versions == [version] * len(served.token_ids)
+            assert ("live" in publisher.sender.phases) == reuse  # staged: announced after the write, no collective
+        _, _, buffers = publisher.sender._staged
+        buffers[0].fill_(0xFF)  # NaN everywhere, never announced
+        torch.cuda.synchronize()
+        served = client.generate(prompt_ids, GREEDY)
+        assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and served.policy_versions[0] == version
         assert "(ipc)" in server.log_text()
     finally:
         client.close()

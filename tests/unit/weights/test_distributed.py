@@ -61,10 +61,10 @@ def test_views_stay_inside_their_window_wherever_it_starts_in_its_storage():
         unpack(short, flat[:-8])
 
 
-def _pair(timeout_s: float = 10.0):
+def _pair(timeout_s: float = 10.0, transport: str = "gloo"):
     config = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=timeout_s, weight_sync_bucket_mb=0.0005)
     sender, receiver = WeightSender(config), WeightReceiver(torch.device("cpu"))
-    (spec,) = sender.plan(num_servers=1, transport="gloo", master_addr="127.0.0.1")
+    (spec,) = sender.plan(num_servers=1, transport=transport, master_addr="127.0.0.1")
     joiner = threading.Thread(target=receiver.join, args=(spec,))
     joiner.start()
     sender.connect(torch.device("cpu"))
@@ -86,6 +86,44 @@ def test_sender_to_receiver_over_gloo_moves_every_tensor_by_name():
         assert [n for n, _ in out[0]] == [n for n, _ in named_tensors()]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(out[0], sent))
     sender.close()
+    receiver.close()
+
+
+def _receive_while(receiver: WeightReceiver, send) -> list:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(receiver.receive()))
+    thread.start()
+    send()
+    thread.join(30)
+    return out[0]
+
+
+def test_ipc_update_laid_out_as_the_last_is_staged_into_the_mapped_buffer_and_anything_else_goes_in_full():
+    """CUDA IPC's protocol, on CPU (the staging buffer a shared file): update 1 goes through the group;
+    update 2 is written into the server's buffer with no collective and read back by digest; a changed
+    layout is not staged (and no tensor is lost); a wrong digest or a new group is NotStaged."""
+    from tandemrl.weights.group import NotStaged
+
+    sender, receiver = _pair(transport="ipc")
+    first = named_tensors()
+    assert sender.stage(first) == (None, first)  # nothing mapped yet
+    got = _receive_while(receiver, lambda: sender.send(first))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, first))
+    second = [(n, t * 3 if t.dtype != torch.bool else ~t) for n, t in named_tensors()]
+    layout, items = sender.stage(iter(second))
+    assert layout is not None and [n for n, _ in items] == [n for n, _ in second] and "live" not in sender.phases
+    staged = receiver.staged(layout)
+    assert [n for n, _ in staged] == [n for n, _ in second] and all(torch.equal(a, b) for (_, a), (_, b) in zip(staged, second))
+    assert staged[0][1].data_ptr() == got[0][1].data_ptr()  # the same buffer and views as update 1
+    with pytest.raises(NotStaged):
+        receiver.staged("0" * 40)
+    grown = [*named_tensors(), ("h.extra", torch.ones(2))]
+    unstaged, rest = sender.stage(iter(grown))
+    assert unstaged is None and [n for n, _ in rest] == [n for n, _ in grown]
+    sender.close()
+    receiver.adopt("another", receiver._group)  # a new trainer's group: the buffer the last one may still write is dropped
+    with pytest.raises(NotStaged):
+        receiver.staged(layout)
     receiver.close()
 
 

@@ -13,6 +13,7 @@ import torch
 
 from tandemrl.server.service import Busy, RolloutService
 from tandemrl.types import Completion, SamplingParams
+from tandemrl.weights.group import NotStaged
 
 PARAMS = SamplingParams(max_tokens=1)
 
@@ -54,6 +55,14 @@ class FakeReceiver:
 
     def stalled_s(self) -> float:
         return 0.0
+
+    def staged(self, layout: str):
+        if layout != "abc":
+            raise NotStaged(f"no staged update laid out as {layout}")
+        return [("w", torch.full((2,), 2.0))]
+
+    def settle(self) -> None:
+        self.settled = getattr(self, "settled", 0) + 1
 
     def close(self) -> None:
         self.group_id = None
@@ -139,6 +148,19 @@ def test_failed_transfer_keeps_the_version_and_hands_nothing_over():
         return log
 
     assert asyncio.run(scenario()) == ["start r3", "end r3"]
+
+
+def test_a_staged_update_goes_live_without_a_receive_and_an_unknown_layout_changes_nothing():
+    async def scenario():
+        receiver = FakeReceiver(fail=True)  # a receive would fail: the staged update must not run one
+        gen, service = make([], receiver)
+        with pytest.raises(NotStaged):
+            await service.update_weights(version=1, mode="drain", staged="other")
+        assert gen.version == 0 and not service.update_in_progress and service.counters.weight_syncs == {"ok": 0, "failed": 0}
+        assert await service.update_weights(version=1, mode="drain", staged="abc") == (1, 8, pytest.approx(0, abs=1))
+        assert gen.version == 1 and receiver.settled == 1  # the buffer was read out before the answer
+
+    asyncio.run(scenario())
 
 
 def test_a_receive_stuck_in_a_collective_is_given_up_when_the_trainer_hangs_up_and_the_version_stays():

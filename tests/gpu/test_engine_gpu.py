@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, gather_attention, varlen_options
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, gather_attention, flash_varlen_available
 from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
 from tandemrl.generation.engine.models import weights_of
 from tandemrl.types import SamplingParams
@@ -65,17 +65,22 @@ def test_decode_kernel_matches_gather_attention(dtype):
 
 
 @cuda
-def test_varlen_prefill_matches_gather_attention():
+@pytest.mark.parametrize(
+    "query_lens, context_lens",
+    [
+        ([100, 1, 37, 300, 16], [100, 128, 80, 300, 17]),  # whole prompts, and cached prefixes longer than what is computed
+        ([1, 1, 1], [40, 129, 7]),  # one query each: flash attention's GQA path for single queries
+    ],
+)
+def test_varlen_prefill_matches_gather_attention(query_lens, context_lens):
     from tandemrl.generation.engine.layers.attention import build_varlen_metadata, varlen_attention
 
-    if varlen_options() is None:
-        pytest.skip(f"torch {torch.__version__} has no varlen_attn: the engine prefills on the gather path")
+    if not flash_varlen_available():
+        pytest.skip(f"torch {torch.__version__} has no flash attention: the engine prefills on the gather path")
     torch.manual_seed(3)
-    block, num_blocks, heads, kv_heads, dim = 16, 128, 14, 2, 64
+    block, num_blocks, heads, kv_heads, dim = 16, 128, 14, 2, 64  # 7 query heads per key/value head, read unrepeated
     k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    # whole prompts, and sequences whose cached prefix is longer than what they compute
-    query_lens, context_lens = [100, 1, 37, 300, 16], [100, 128, 80, 300, 17]
     tables = _random_tables(context_lens, block, num_blocks)
     q = torch.randn(sum(query_lens), heads, dim, device="cuda", dtype=torch.bfloat16)
     gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))
@@ -90,8 +95,8 @@ def test_varlen_prefill_matches_gather_attention():
 def test_bfloat16_engine_gives_the_same_tokens_on_both_prefill_paths(tmp_path):
     from tandemrl.tasks.tiny import save_tiny
 
-    if varlen_options() is None:
-        pytest.skip(f"torch {torch.__version__} has no varlen_attn: the engine prefills on the gather path")
+    if not flash_varlen_available():
+        pytest.skip(f"torch {torch.__version__} has no flash attention: the engine prefills on the gather path")
     model_dir = save_tiny(str(tmp_path), seed=2)
     # four prompts of their own, and a group of four sharing one (prefilled once: the others compute less)
     prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)] + [[7, 8, 9, 10] * 10] * 4
@@ -176,7 +181,7 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
     model_dir = save_tiny(str(tmp_path), seed=2)
     engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
     assert engine.runner.graphs
-    assert engine.runner.varlen_prefill == (varlen_options() is not None)  # bfloat16 prefills on varlen where torch has it
+    assert engine.runner.varlen_prefill == flash_varlen_available()  # bfloat16 prefills on varlen where torch has flash attention
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     before = run(engine.generate([5, 6, 7, 8], params))
     run(engine.sleep(2))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, varlen_options
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, flash_varlen_available
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
@@ -66,7 +66,7 @@ class ModelRunner:
         self.use_graphs = use_graphs and self.is_cuda
         # flash attention takes 16-bit inputs only; float32 (the tests' GPU-vs-CPU runs) keeps the gather path
         dtype = model.model.embed_tokens.weight.dtype
-        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and varlen_options() is not None
+        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and flash_varlen_available()
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None

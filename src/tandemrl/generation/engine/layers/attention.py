@@ -15,7 +15,6 @@ sequence).
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -81,31 +80,22 @@ def paged_attention(
 
 
 @functools.cache
-def varlen_options() -> dict | None:
-    """Keyword arguments for a causal GQA call of torch's varlen_attn, or None where this torch lacks it."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        causal = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        causal = {"is_causal": True}
-    else:
-        return None
-    return causal | ({"enable_gqa": True} if "enable_gqa" in params else {})
+def flash_varlen_available() -> bool:
+    """Whether this torch was built with flash attention, whose variable-length form the GPU prefill calls."""
+    return torch.backends.cuda.is_flash_attention_available()
 
 
 def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMetadata) -> Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    options = varlen_options()
     keys, values = k_cache[meta.packed_key_slots], v_cache[meta.packed_key_slots]  # [sum C, K, D]
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1 and "enable_gqa" not in options:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, keys, values, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **options)
+    # flash attention's own GQA: each key/value head is read once for its group of H / K query heads.
+    # torch's varlen_attn wrapper (2.11) lacks enable_gqa, and repeating K/V to H heads first cost
+    # 2 * H / K copies of every context position per layer (most of a cached-prefix prefill's attention);
+    # the aten op below is what varlen_attn calls, its positional schema unchanged since torch 2.5.
+    # is_causal aligns the mask bottom right: a sequence's queries see its whole cached prefix.
+    out, *_ = torch.ops.aten._flash_attention_forward(
+        q, keys, values, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, 0.0, True, False
+    )  # fmt: skip
+    return out
 
 
 def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: GatherMetadata) -> Tensor:

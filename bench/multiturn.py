@@ -163,6 +163,73 @@ def profile(make, device: str) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
 
 
+class Timeline:
+    """The engine thread's steps of one run on the wall clock (each from its launch to the end of its
+    wait) and the requests' arrivals (one hand-over an event-loop tick); what it prints says where the
+    engine had nothing in flight: the turn boundaries' cost."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.start = engine, time.perf_counter()
+        self.steps: list[list] = []  # [launch start, launch end, wait end, is_prefill, seqs, new tokens]
+        self.arrivals: list[tuple[float, int]] = []
+        self._open: dict[int, list] = {}
+        runner, ticks = engine.runner, engine._this_tick
+        add_many = ticks._hand_over
+        launch, wait = runner.launch, runner.wait
+
+        def timed_launch(batch):
+            started = time.perf_counter()
+            launched = launch(batch)
+            self._open[id(launched)] = [started, time.perf_counter(), 0.0, batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens)]
+            return launched
+
+        def timed_wait(launched):
+            result = wait(launched)
+            step = self._open.pop(id(launched))
+            step[2] = time.perf_counter()
+            self.steps.append(step)
+            return result
+
+        def timed_add(seqs):
+            self.arrivals.append((time.perf_counter(), len(seqs)))
+            add_many(seqs)
+
+        runner.launch, runner.wait, ticks._hand_over = timed_launch, timed_wait, timed_add
+        self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many))
+
+    def report(self) -> None:
+        self._restore()
+        steps = sorted(self.steps)
+        t = lambda x: f"{x - self.start:.3f}"  # noqa: E731
+        busy_until, idle = steps[0][0], []
+        for i, (launched, _, done, *_) in enumerate(steps):
+            if launched > busy_until:
+                idle.append((busy_until, launched, i))
+            busy_until = max(busy_until, done)
+        print(f"timeline: {len(steps)} steps, {sum(e - s for s, e, _ in idle):.3f} s with no step in flight "
+              f"({sum(e - s > 0.005 for s, e, _ in idle)} gaps > 5 ms), run {busy_until - self.start:.3f} s", flush=True)
+        for started, ended, i in idle:
+            if ended - started > 0.005:
+                arrived = [(a, n) for a, n in self.arrivals if started <= a < ended]
+                first = f", the first {1e3 * (arrived[0][0] - started):.1f} ms in" if arrived else ""
+                before, after = steps[i - 1], steps[i]
+                print(f"  idle {1e3 * (ended - started):.1f} ms from {t(started)} s: after a {'prefill' if before[3] else 'decode'} of "
+                      f"{before[4]}, before a {'prefill' if after[3] else 'decode'} of {after[4]}; {sum(n for _, n in arrived)} requests "
+                      f"arrived meanwhile{first}", flush=True)
+        bursts: list[list] = []  # arrivals closer than 20 ms: one turn boundary's requests
+        for at, n in self.arrivals:
+            if bursts and at - bursts[-1][1] < 0.02:
+                bursts[-1][1:] = [at, bursts[-1][2] + n, bursts[-1][3] + 1]
+            else:
+                bursts.append([at, at, n, 1])
+        for first, last, n, ticks in bursts:
+            print(f"  arrivals: {n} requests from {t(first)} to {t(last)} s in {ticks} ticks", flush=True)
+        for launched, launch_end, done, is_prefill, num_seqs, num_tokens in steps:
+            if is_prefill:
+                print(f"  prefill at {t(launched)} s: {num_seqs} seqs, {num_tokens} tokens, launch {1e3 * (launch_end - launched):.1f} ms, "
+                      f"done {1e3 * (done - launched):.1f} ms after its launch began", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--toy", action="store_true", help="a 2-layer model, 4 prompts x 2, 8 tokens a turn (CPU check)")
@@ -173,6 +240,7 @@ def main() -> None:
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
     parser.add_argument("--overlap_prefills", action="store_true", help="the engine's prefill overlap (EngineSettings)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
+    parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()
     shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else ("0.5b", 64, 8, 128)
     num_prompts, group_size, turn_tokens = args.num_prompts or num_prompts, args.group_size or group_size, args.turn_tokens or turn_tokens
@@ -191,6 +259,10 @@ def main() -> None:
     single = timed("single_turn", engine, lambda small: run_single_turn(engine, part(small), group_size, turn_tokens), config)
     multi = timed("multiturn", engine, lambda small: run_multiturn(engine, part(small), group_size, turn_tokens, mt, tokenizer), config)
     naive = timed("turn_at_a_time", engine, lambda small: run_turn_at_a_time(engine, part(small), group_size, turn_tokens, mt), config)
+    if args.timeline:
+        timeline = Timeline(engine)
+        asyncio.run(run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer))
+        timeline.report()
     if args.profile:
         profile(lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), args.device)
     asyncio.run(engine.close())

@@ -238,7 +238,8 @@ def main() -> None:
     parser.add_argument("--group_size", type=int, default=None)
     parser.add_argument("--turn_tokens", type=int, default=None)
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
-    parser.add_argument("--overlap_prefills", action="store_true", help="the engine's prefill overlap (EngineSettings)")
+    parser.add_argument("--overlap_prefills", action=argparse.BooleanOptionalAction, default=EngineConfig.overlap_prefills,
+                        help="the engine's prefill overlap (EngineSettings)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()

@@ -118,6 +118,32 @@ def test_bfloat16_engine_gives_the_same_tokens_on_both_prefill_paths(tmp_path):
 
 
 @cuda
+def test_bfloat16_overlapped_prefills_give_the_tokens_of_serial_ones(tmp_path):
+    """Prefill steps launched while the last one runs (inputs in one pinned copy each) compute what serial
+    ones do: the same tokens over two turns, the second's prompts extending the first's conversations."""
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=3)
+    prompts = [list(range(3 + i, 70 + 3 * i)) for i in range(12)]  # ~3 a prefill step (256 tokens)
+    outputs, ahead = {}, {}
+    for overlap in (True, False):
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256,
+                                     max_num_batched_tokens=256, overlap_prefills=overlap))  # fmt: skip
+
+        async def two_turns(engine=engine):
+            params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+            first = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+            turns = [p + c.token_ids + [9, 10, 11] for p, c in zip(prompts, first)]
+            return first + list(await asyncio.gather(*(engine.generate(t, s) for t, s in zip(turns, params))))
+
+        outputs[overlap] = [(c.token_ids, c.logprobs) for c in run(two_turns())]
+        ahead[overlap] = engine.stats()["engine/num_ahead_steps"]
+        run(engine.close())
+    assert outputs[True] == outputs[False]
+    assert ahead[True] > ahead[False]  # prefills were launched ahead
+
+
+@cuda
 def test_fused_sampler_matches_the_torch_sampler():
     from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -24,6 +24,36 @@ from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
+
+
+HOST = torch.device("cpu")
+
+
+def _tensor_fields(meta) -> dict[str, Tensor]:
+    return {f.name: getattr(meta, f.name) for f in fields(meta) if isinstance(getattr(meta, f.name), Tensor)}
+
+
+def to_device_packed(tensors: list[Tensor], device: torch.device, *, pin_memory: bool) -> list[Tensor]:
+    """Host tensors on `device`: every integer one in a single copy (as int64, cast back there), every
+    float32 one in another, each from pinned memory. A copy from pageable memory may wait for the step
+    in flight (the driver stages it through a pinned buffer of its own), so a prefill launched while the
+    last one runs (--overlap_prefills) would wait for it. A pinned block is not reused before its copy
+    has run (torch's caching host allocator records the copy), so nothing here outlives the call.
+
+    Example: [int32 [1, 2], float32 [0.5], int64 [[3], [4]]] -> the same values, dtypes and shapes on
+    `device`, from two copies: int64 [1, 2, 3, 4] and float32 [0.5]
+    """
+    moved: dict[int, Tensor] = {}
+    for dtypes, wire in (((torch.int64, torch.int32), torch.int64), ((torch.float32,), torch.float32)):
+        group = [i for i, t in enumerate(tensors) if t.dtype in dtypes]
+        if not group:
+            continue
+        sizes = [tensors[i].numel() for i in group]
+        staged = torch.empty(sum(sizes), dtype=wire, pin_memory=pin_memory)
+        torch.cat([tensors[i].reshape(-1).to(wire) for i in group], out=staged)
+        for i, part in zip(group, staged.to(device, non_blocking=True).split(sizes)):
+            moved[i] = part.view(tensors[i].shape).to(tensors[i].dtype)
+    return [moved[i] if i in moved else t.to(device, non_blocking=True) for i, t in enumerate(tensors)]
 
 
 @dataclass(slots=True)
@@ -106,11 +136,11 @@ class ModelRunner:
         return config.num_hidden_layers * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * itemsize
 
     def block_copy_slots(self, copies: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-        """(source, destination) cache slots of whole-block copies, on the device."""
+        """(source, destination) cache slots of whole-block copies, on the host."""
         offsets = torch.arange(self.block_size)
         src = torch.tensor([s for s, _ in copies])[:, None] * self.block_size + offsets  # [C, block]
         dst = torch.tensor([d for _, d in copies])[:, None] * self.block_size + offsets
-        return src.flatten().to(self.device, non_blocking=True), dst.flatten().to(self.device, non_blocking=True)
+        return src.flatten(), dst.flatten()
 
     def copy_blocks(self, slots: tuple[Tensor, Tensor]) -> None:
         src, dst = slots
@@ -127,8 +157,7 @@ class ModelRunner:
         if batch.is_prefill:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
             self._penalised = None
-            sampling = self._sampling_tensors(batch.seqs)  # before any launch: host copies never wait on the device
-            logits = self._prefill(batch, slot)
+            logits, sampling = self._prefill(batch, slot)
             token_ids, logprobs = self._sample(logits, sampling)
         else:
             token_ids, logprobs, logits = self._decode(batch.seqs)
@@ -163,29 +192,41 @@ class ModelRunner:
             self.times.prefill_s += launched.prepare_s + waited
         return token_list, logprob_list
 
-    def _prefill(self, batch: ScheduledBatch, slot: int) -> Tensor:
+    def _prefill(self, batch: ScheduledBatch, slot: int) -> tuple[Tensor, SamplingTensors]:
+        """Launches the forward of the new tokens; returns the logits each sequence samples from and its
+        sampling tensors. Every input crosses to the device before the launch, in _to_device's copies."""
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
-        input_ids, positions = [], []
-        for seq, n in computing:
-            input_ids += seq.token_ids[seq.num_tokens - n :]
-            positions += range(seq.num_tokens - n, seq.num_tokens)
+        query_lens, context_lens = [n for _, n in computing], [s.num_tokens for s, _ in computing]
         build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
-        meta = build([n for _, n in computing], [s.num_tokens for s, _ in computing], [s.block_table for s, _ in computing], self.block_size, self.device)
-        # every index crosses to the device before the launch (a copy after it would wait for the forward),
-        # without blocking (a blocking one would wait for the step in flight: the engine launches a prefill
-        # while the last one runs); pageable sources are staged by the copy itself, so they may be freed
-        to = dict(device=self.device, non_blocking=True)
-        ids, pos = torch.tensor(input_ids).to(**to), torch.tensor(positions).to(**to)
-        last = (torch.tensor([n for _, n in computing]).cumsum(0) - 1).to(**to)  # [B_computing]
-        copies = self.block_copy_slots(batch.block_copies) if batch.block_copies else None
-        rows = torch.tensor(batch.sample_rows).to(**to) if len(computing) != len(batch.seqs) else None
+        meta = build(query_lens, context_lens, [s.block_table for s, _ in computing], self.block_size, HOST)
+        sampling = self._sampling_tensors(batch.seqs)
+        qlens = torch.tensor(query_lens)
+        ends = qlens.cumsum(0)
+        inputs = {
+            "ids": torch.tensor([t for seq, n in computing for t in seq.token_ids[seq.num_tokens - n :]]),
+            # row i of sequence b (its rows end at ends[b]) is position context_lens[b] - (ends[b] - i)
+            "positions": torch.arange(int(ends[-1])) + torch.repeat_interleave(torch.tensor(context_lens) - ends, qlens),
+            "last": ends - 1,  # [B_computing] row of each sequence's last token
+        }
+        if len(computing) != len(batch.seqs):
+            inputs["rows"] = torch.tensor(batch.sample_rows)
+        if batch.block_copies:
+            inputs["copy_src"], inputs["copy_dst"] = self.block_copy_slots(batch.block_copies)
+        meta_fields, sampling_fields = _tensor_fields(meta), _tensor_fields(sampling)
+        moved = iter(self._to_device([*inputs.values(), *meta_fields.values(), *sampling_fields.values()]))
+        inputs = {k: next(moved) for k in inputs}
+        meta = replace(meta, **{k: next(moved) for k in meta_fields})
+        sampling = replace(sampling, **{k: next(moved) for k in sampling_fields})
         if self.is_cuda:
             self._events[slot][3].record()
-        hidden = self.model(ids, pos, meta)  # [N, E]
-        logits = self.model.compute_logits(hidden[last])  # [B_computing, V]
-        if copies is not None:
-            self.copy_blocks(copies)
-        return logits if rows is None else logits[rows]
+        hidden = self.model(inputs["ids"], inputs["positions"], meta)  # [N, E]
+        logits = self.model.compute_logits(hidden[inputs["last"]])  # [B_computing, V]
+        if batch.block_copies:
+            self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))
+        return (logits[inputs["rows"]] if "rows" in inputs else logits), sampling
+
+    def _to_device(self, tensors: list[Tensor]) -> list[Tensor]:
+        return to_device_packed(tensors, self.device, pin_memory=True) if self.is_cuda else tensors
 
     def top_logprobs(self, launched: Launched) -> list[dict[int, float]] | None:
         """Per row, the most likely tokens of the model's own distribution (before temperature and
@@ -259,14 +300,14 @@ class ModelRunner:
 
     # --- sampling ------------------------------------------------------------------------------------
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """A prefill's sampling tensors on the host (the runner moves them with the step's other inputs);
+        a repetition penalty's on the device."""
         top_k, floats, needs_filter = sampling_rows([s.params for s in seqs], self.vocab_size)
         keys = row_keys(torch.tensor([s.seed for s in seqs]), torch.tensor([s.num_tokens for s in seqs]))
-        to = dict(device=self.device, non_blocking=True)
-        temperatures, top_p, min_p = torch.tensor(floats, dtype=torch.float32).to(**to)
+        temperatures, top_p, min_p = torch.tensor(floats, dtype=torch.float32)
         penalty = repetition_penalty([s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs], self.vocab_size, self.device)
         return SamplingTensors(
-            temperatures=temperatures, top_k=torch.tensor(top_k).to(**to), top_p=top_p, min_p=min_p, keys=keys.to(**to),
-            needs_filter=needs_filter, penalty=penalty,
+            temperatures=temperatures, top_k=torch.tensor(top_k), top_p=top_p, min_p=min_p, keys=keys, needs_filter=needs_filter, penalty=penalty
         )  # fmt: skip
 
     def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor]:

@@ -197,7 +197,7 @@ class Timeline:
         runner.launch, runner.wait, ticks._hand_over = timed_launch, timed_wait, timed_add
         self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many))
 
-    def report(self) -> None:
+    def report(self, label: str) -> None:
         self._restore()
         steps = sorted(self.steps)
         t = lambda x: f"{x - self.start:.3f}"  # noqa: E731
@@ -206,7 +206,7 @@ class Timeline:
             if launched > busy_until:
                 idle.append((busy_until, launched, i))
             busy_until = max(busy_until, done)
-        print(f"timeline: {len(steps)} steps, {sum(e - s for s, e, _ in idle):.3f} s with no step in flight "
+        print(f"timeline of {label}: {len(steps)} steps, {sum(e - s for s, e, _ in idle):.3f} s with no step in flight "
               f"({sum(e - s > 0.005 for s, e, _ in idle)} gaps > 5 ms), run {busy_until - self.start:.3f} s", flush=True)
         for started, ended, i in idle:
             if ended - started > 0.005:
@@ -224,6 +224,10 @@ class Timeline:
                 bursts.append([at, at, n, 1])
         for first, last, n, ticks in bursts:
             print(f"  arrivals: {n} requests from {t(first)} to {t(last)} s in {ticks} ticks", flush=True)
+        decodes = [(end - start, start, n) for start, end, _, is_prefill, n, _ in steps if not is_prefill]
+        slow = sorted(decodes, reverse=True)[:5]
+        print(f"  decode launches: {len(decodes)}, {sum(d for d, _, _ in decodes):.3f} s in all, {sum(d > 0.001 for d, _, _ in decodes)} over 1 ms; "
+              f"slowest: {', '.join(f'{1e3 * d:.1f} ms at {t(at)} s ({n} seqs)' for d, at, n in slow)}", flush=True)
         for launched, launch_end, done, is_prefill, num_seqs, num_tokens in steps:
             if is_prefill:
                 print(f"  prefill at {t(launched)} s: {num_seqs} seqs, {num_tokens} tokens, launch {1e3 * (launch_end - launched):.1f} ms, "
@@ -261,9 +265,12 @@ def main() -> None:
     multi = timed("multiturn", engine, lambda small: run_multiturn(engine, part(small), group_size, turn_tokens, mt, tokenizer), config)
     naive = timed("turn_at_a_time", engine, lambda small: run_turn_at_a_time(engine, part(small), group_size, turn_tokens, mt), config)
     if args.timeline:
-        timeline = Timeline(engine)
-        asyncio.run(run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer))
-        timeline.report()
+        for label, make in (("single_turn", lambda: run_single_turn(engine, prompts, group_size, turn_tokens)),
+                            ("multiturn", lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer))):  # fmt: skip
+            asyncio.run(engine.update_weights([], version=engine.version))  # nothing cached from the last run
+            timeline = Timeline(engine)
+            asyncio.run(make())
+            timeline.report(label)
     if args.profile:
         profile(lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), args.device)
     asyncio.run(engine.close())

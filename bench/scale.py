@@ -263,7 +263,8 @@ def servers(args) -> None:
     """Issue 19's run 1: `tandem train` under torchrun on GPUs 0..N-1 (FSDP2) and `tandem rollout` servers of
     TP = T on the other GPUs (--server_gpus, T at a time), --max_staleness S, weights over NCCL; stopped after
     args.steps steps. One JSON line: the steady step split, the overlap efficiency max(gen, train) / step, the
-    sync's seconds and GB/s (float32 masters pushed; the FSDP gathers count in its time) and each GPU's mean
+    sync's seconds and GB/s (on GPU the bf16 compute weights are pushed, on CPU the float32 masters; the FSDP
+    gathers count in its time) and each GPU's mean
     utilisation (nvidia-smi, sampled each second). On a CPU (gloo) the same command is a check that it runs.
     --timeout_s bounds the whole: saving the model, starting the servers and the run."""
     deadline = time.monotonic() + args.timeout_s
@@ -299,7 +300,7 @@ def servers(args) -> None:
     if "time/generate" in out and out.get("step_time"):
         out["overlap_efficiency"] = round(max(out["time/generate"], out["time/train"]) / out["step_time"], 3)
     if out.get("time/sync"):
-        gigabytes = 4 * sum(qwen_config_numel(args.model)) / 1e9
+        gigabytes = (2 if cuda else 4) * sum(qwen_config_numel(args.model)) / 1e9  # shards gathered in bf16 on GPU
         out["sync_gb"], out["sync_gb_per_s"] = round(gigabytes, 2), round(gigabytes / out["time/sync"], 1)
     out["gpu_utilisation_mean"] = utilisation.means(last_s=sum(r["step_time"] for r in rows[1:]))  # the steady steps
     print(json.dumps(out), flush=True)

@@ -35,6 +35,7 @@ from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
 from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state, sharded_optimizer
 from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
+from tandemrl.train.forward import compute_dtype
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Example, SamplingParams
 from tandemrl.weights.base import build_weight_sync
@@ -349,16 +350,19 @@ def _rollout_side(
 ) -> tuple[Any, Any]:
     """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator (colocated on
     `device`, default the trainer's --device; split over the ranks of `tp` when given). Servers under
-    torchrun: rank 0's client, and every rank's share of the sharded push."""
+    torchrun: rank 0's client, and every rank's share of the sharded push. Under torchrun the shards are
+    gathered in the trainer's 16-bit compute dtype (in one process the trainer publishes its 16-bit twin)."""
     r = config.generation
+    gather_dtype = compute_dtype(config.trainer, model) if dp.enabled else None
     if r.rollout_mode == "server":
+        batches = config.local_sync.move_model_batches
         if dp.enabled and not dp.is_main:
-            return ServedByRankZero(), ShardedSync(None, dp, move_model_batches=config.local_sync.move_model_batches)
+            return ServedByRankZero(), ShardedSync(None, dp, move_model_batches=batches, gather_dtype=gather_dtype)
         remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
         generator = build_generator(remote)
         sync = build_weight_sync(config.distributed_sync, generator)
         if dp.enabled:
-            sync = ShardedSync(sync, dp, move_model_batches=config.local_sync.move_model_batches)
+            sync = ShardedSync(sync, dp, move_model_batches=batches, gather_dtype=gather_dtype)
         return generator, sync
     device = device or config.trainer.device
     if r.generator == "engine":  # sized for this run: one generation round's sequences, each as long as it may get
@@ -380,7 +384,7 @@ def _rollout_side(
 
         model = MergedView(model)
     generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp)
-    return generator, build_weight_sync(config.local_sync, generator)
+    return generator, build_weight_sync(config.local_sync, generator, gather_dtype=gather_dtype)
 
 
 def _settings(config: TrainConfig) -> LoopSettings:

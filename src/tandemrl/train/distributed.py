@@ -165,10 +165,13 @@ def shard(model: Any, layers: list, dp: DataParallel, *, mixed: bool) -> None:
     register_fsdp_forward_method(model, "packed_logprobs")
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP shard (a collective: every rank calls it, in the same order); else itself."""
+def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a collective: every rank calls it, in the same order); else itself.
+    With `dtype`, the shard is cast before the gather (a bf16 gather moves half a float32 one's bytes)."""
     from torch.distributed.tensor import DTensor
 
+    if dtype is not None:
+        tensor = tensor.to(dtype)
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 

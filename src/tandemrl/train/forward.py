@@ -104,12 +104,17 @@ class ForwardPlan:
             shard(model, decoder_layers(model), self.dp, mixed=self.mixed)
 
 
+def compute_dtype(config: TrainerConfig, model: Any) -> torch.dtype | None:
+    """bfloat16 when the policy trains in mixed precision (16-bit compute over float32 masters: on CUDA with
+    --bf16), else None (it computes in its own dtype)."""
+    param = next(model.parameters())
+    return torch.bfloat16 if param.device.type == "cuda" and config.bf16 and param.dtype == torch.float32 else None
+
+
 def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -> ForwardPlan:
     """The plan; in one process it also sets the policy up (under torchrun `shard_policy` does, later)."""
-    device = next(model.parameters()).device
-    master_dtype = next(model.parameters()).dtype
-    on_cuda = device.type == "cuda"
-    mixed = on_cuda and config.bf16 and master_dtype == torch.float32
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    mixed = compute_dtype(config, model) is not None
     plan = ForwardPlan(
         compute=None,
         dtype=torch.bfloat16 if mixed and not dp.enabled else None,

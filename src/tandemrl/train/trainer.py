@@ -109,8 +109,13 @@ class Trainer:
             return scored(model)
 
     def published_weights(self) -> Any:
-        """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged)."""
-        return merged_weights(self.model) if is_lora(self.model) else self.model.named_parameters()
+        """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged). Under
+        mixed precision, the 16-bit compute twin refreshed for this version: half the bytes of the float32
+        masters, the weights the trainer computes with, and no extra copy (the next forward's refresh
+        then has nothing to do)."""
+        if is_lora(self.model):
+            return merged_weights(self.model)
+        return self.plan.forward_model(self.model, self.policy_version).named_parameters()
 
     def _optimizer_step(self, micro: MicroBatches, ref: list | None, counts: dict, *, fresh_old: bool) -> dict[str, float]:
         model = self.plan.forward_model(self.model, self.policy_version)

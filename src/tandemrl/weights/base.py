@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
 
     from tandemrl.generation.base import Generator
@@ -57,13 +58,13 @@ class DistributedSyncConfig:
 WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig
 
 
-def build_weight_sync(config: WeightSyncConfig, generator: Generator) -> WeightSync:
-    """The one place a weight-sync backend is chosen."""
+def build_weight_sync(config: WeightSyncConfig, generator: Generator, *, gather_dtype: torch.dtype | None = None) -> WeightSync:
+    """The one place a weight-sync backend is chosen. `gather_dtype`: FSDP shards are gathered in it."""
     match config:
         case LocalSyncConfig():
             from tandemrl.weights.local import LocalSync
 
-            return LocalSync(config, generator)
+            return LocalSync(config, generator, gather_dtype=gather_dtype)
         case DistributedSyncConfig():
             from tandemrl.weights.distributed import DistributedSync
 

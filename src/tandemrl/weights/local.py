@@ -3,7 +3,7 @@ in `move_model_batches` batches, and the new version goes live after the last ba
 
 Under torchrun the trainer's weights are FSDP shards: each batch is gathered whole (every rank gathers
 the same batches in the same order) just before it is handed over, so a sync's extra memory is about
-one batch, never the whole model.
+one batch, never the whole model; in `gather_dtype` when given (the trainer's 16-bit compute dtype).
 """
 
 from __future__ import annotations
@@ -15,22 +15,24 @@ from tandemrl.train.distributed import full_tensor
 from tandemrl.weights.base import LocalSyncConfig, batched
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
 
     from tandemrl.generation.base import LocalGenerator
 
 
 class LocalSync:
-    def __init__(self, config: LocalSyncConfig, generator: LocalGenerator) -> None:
+    def __init__(self, config: LocalSyncConfig, generator: LocalGenerator, *, gather_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.generator = generator
+        self.gather_dtype = gather_dtype
 
     async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
         named = [(name, tensor.detach()) for name, tensor in weights]
         batches = list(batched(named, self.config.move_model_batches, len(named)))
         # every batch but the last keeps the old version: the generator flips only at the end
         for i, batch in enumerate(batches):
-            whole = [(name, full_tensor(tensor)) for name, tensor in batch]
+            whole = [(name, full_tensor(tensor, self.gather_dtype)) for name, tensor in batch]
             await self.generator.update_weights(whole, version=version if i == len(batches) - 1 else self.generator.version)
         if not batches:
             await self.generator.update_weights([], version=version)

@@ -3,7 +3,9 @@ once. (Two real ranks: tests/integration/test_train_torchrun.py.)"""
 
 from __future__ import annotations
 
-from tandemrl.train.distributed import SINGLE, DataParallel, untied
+import torch
+
+from tandemrl.train.distributed import SINGLE, DataParallel, full_tensor, untied
 
 
 def test_groups_are_dealt_round_robin_and_every_group_has_one_owner():
@@ -61,3 +63,20 @@ def test_a_tied_head_is_saved_under_one_name():
     model = build_model(build_tokenizer(), seed=0)
     assert model.config.tie_word_embeddings and "lm_head.weight" in model.state_dict()
     assert set(untied(model, model.state_dict())) == set(model.state_dict()) - {"lm_head.weight"}
+
+
+def test_a_shard_is_gathered_in_the_compute_dtype(tmp_path):
+    """A sync under FSDP2 gathers bf16 (half the bytes of the float32 masters): the shard is cast first."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        full = torch.randn(6, 4)
+        shard = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
+        whole = full_tensor(shard, torch.bfloat16)
+        assert type(whole) is torch.Tensor and whole.dtype == torch.bfloat16 and torch.equal(whole, full.to(torch.bfloat16))
+        assert full_tensor(shard).dtype == torch.float32
+    finally:
+        dist.destroy_process_group()

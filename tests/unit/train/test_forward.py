@@ -140,3 +140,20 @@ def test_compute_weights_sum_each_micro_batch_gradient_exactly_as_float32_adds()
     assert all(p.grad is None for p in twin.model.parameters())
     for (name, p), total in zip(master.named_parameters(), expected):
         assert torch.equal(p.grad, total), name
+
+
+def test_mixed_precision_publishes_the_refreshed_16_bit_twin_under_the_masters_names():
+    """The generators get the compute twin (the masters rounded to bf16), fresh for the new version, not
+    the float32 masters (twice the bytes); the next forward reuses that refresh."""
+    tokenizer = build_tokenizer()
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2), AlgoConfig(), build_model(tokenizer, seed=1), max_steps=2)
+    trainer.plan = ForwardPlan(
+        compute=ComputeWeights(trainer.model, torch.bfloat16), dtype=torch.bfloat16, packed=False, compile=False, no_grad_budget_factor=1
+    )
+    trainer.train_step(make_batch(seed=0))
+    published = dict(trainer.published_weights())
+    masters = dict(trainer.model.named_parameters())
+    assert list(published) == list(masters)
+    for name, master in masters.items():
+        assert published[name].dtype == torch.bfloat16
+        assert torch.equal(published[name], master.detach().to(torch.bfloat16)), name  # this version's, not the last forward's

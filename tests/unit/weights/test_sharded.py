@@ -35,9 +35,9 @@ class Pusher:
 def log(monkeypatch) -> list[str]:
     events: list[str] = []
 
-    def full_tensor(tensor):
+    def full_tensor(tensor, dtype=None):
         time.sleep(0.005)  # a gather takes time: a second thread pulling meanwhile must wait its turn
-        events.append(f"gathered {int(tensor[0])}")
+        events.append(f"gathered {int(tensor[0])}" + (f" as {dtype}" if dtype is not None else ""))
         return tensor
 
     monkeypatch.setattr(sharded, "full_tensor", full_tensor)
@@ -78,3 +78,8 @@ def test_a_sending_thread_left_behind_by_a_failed_push_shares_the_pulls_in_order
     with pytest.raises(RuntimeError, match="gone"):
         asyncio.run(ShardedSync(LeftBehind(), SINGLE, move_model_batches=3).publish(NAMED, version=1))
     assert log == [f"gathered {i}" for i in range(6)]  # each batch gathered once, in order, by one thread at a time
+
+
+def test_shards_are_gathered_in_the_gather_dtype(log):
+    asyncio.run(ShardedSync(None, SINGLE, move_model_batches=2, gather_dtype=torch.bfloat16).publish(NAMED[:2], version=1))
+    assert log == ["gathered 0 as torch.bfloat16", "gathered 1 as torch.bfloat16"]

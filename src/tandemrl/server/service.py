@@ -249,7 +249,7 @@ class RolloutService:
             start = time.perf_counter()
             try:
                 try:
-                    staging = self.receiver.staged(staged) if staged else await self._receive(hangup)
+                    staging = await self._receive(hangup, functools.partial(self.receiver.receive_staged, staged) if staged else self.receiver.receive)
                 except NotStaged:
                     raise
                 except Exception as error:
@@ -271,13 +271,13 @@ class RolloutService:
                      num_bytes / 2**20, seconds, (received - start) * 1e3, phases, (time.perf_counter() - received) * 1e3, mode)  # fmt: skip
             return len(staging), num_bytes, seconds
 
-    async def _receive(self, hangup: Awaitable[Any] | None) -> list:
-        """The update's tensors, received in a daemon thread. Given up (the group closed, which aborts its
+    async def _receive(self, hangup: Awaitable[Any] | None, receive: Callable[[], list]) -> list:
+        """The update's tensors, received (`receive`) in a daemon thread. Given up (the group closed, which aborts its
         collectives, and the thread left behind) once the trainer hangs up or the receive has made no
         progress for the group's timeout + RECEIVE_SLACK_S: an NCCL collective whose peer died may never
         complete, nor return the thread that waits in it, and the server must not wait with it."""
         assert self.receiver is not None
-        receiving = in_daemon_thread(self.receiver.receive, name="weight-sync-receive")
+        receiving = in_daemon_thread(receive, name="weight-sync-receive")
         watch = asyncio.ensure_future(self._watch_receive(hangup))
         try:
             await asyncio.wait({receiving, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -51,8 +51,8 @@ class DistributedSyncConfig:
     weight_sync_host: str = ""
     """Trainer address the servers connect to (default: the local address that routes to the first server)."""
     weight_sync_ipc_reuse: bool = True
-    """CUDA IPC: an update laid out as the last one is written into the servers' buffers mapped then and
-    made live by one request (no collective); off, every update goes through the group in full."""
+    """CUDA IPC: an update laid out as the last one is written into the servers' buffers mapped then, while
+    announced, and marked written (no metadata or handles); off, every update goes through the group in full."""
 
 
 WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig

@@ -8,11 +8,12 @@ buckets); then nccl/gloo: one broadcast per bucket, the trainer packing bucket k
 the wire (two buffers); ipc: the servers' buffer handles gathered, the trainer writes the window into
 each; then the end mark (gloo). An update is windows until one marked last.
 
-CUDA IPC, an update laid out as the last one (one window): no collective at all. The trainer writes it
-into the servers' staging buffers mapped at that update (`WeightSender.stage`) and announces it with the
-layout's digest; each server makes its staging live (`WeightReceiver.staged`), and before it answers that
-the version is live, its copies out of the buffer have run (`settle`), so the trainer may write the next
-update unannounced. A trainer that dies while writing never announced it: the server keeps its version.
+CUDA IPC, an update laid out as the last one (one window) is staged: announced with the layout's digest,
+it is written into the servers' staging buffers mapped at that update (`WeightSender.send_staged`) while
+the announcement travels, then marked written by one gloo broadcast, the only collective; each server
+makes its staging live (`WeightReceiver.receive_staged`), and before it answers that the version is live
+its copies out of the buffer have run (`settle`), so the trainer may write the next update into it. A
+trainer that dies while writing never marks it: the server keeps its version, as after any failed receive.
 
 Invariants: every collective has a deadline (--weight_sync_timeout_s of no progress), and no thread
 ever blocks inside an NCCL wait: completion is polled, so a dead peer is an error within the deadline
@@ -57,6 +58,9 @@ POLL_S = 5e-5  # between completion checks of a collective in flight
 META_HEAD_BYTES = 64 * 1024  # the first metadata broadcast's fixed size (a 1.5B model's metadata is ~35 KB)
 HANDLE_BYTES = 4096  # a server's CUDA IPC handle, JSON, padded
 WINDOW_BUCKETS = 16  # a window spans at most this many buckets' bytes: what the trainer holds of a lazy producer
+
+
+WRITTEN, NOT_WRITTEN = 1, 2  # a staged update's mark
 
 
 class NotStaged(ValueError):
@@ -193,10 +197,15 @@ class _Group:
             data += rest.numpy().tobytes()
         return data
 
-    def end_mark(self) -> dist.Work:
+    def end_mark(self, value: int = 0) -> dist.Work:
         """The window's end mark (gloo): the trainer posts it once its payload is out, a server before
         receiving, so that a dead trainer fails it at once."""
-        return self.broadcast(torch.zeros(1, dtype=torch.int64), group=self.control)
+        return self.mark(value)[0]
+
+    def mark(self, value: int = 0) -> tuple[dist.Work, Tensor]:
+        """A one-number broadcast from the trainer (gloo): the work, and the tensor `value` arrives in."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        return self.broadcast(tensor, group=self.control), tensor
 
     def gather_handles(self, handle: dict[str, Any] | None) -> list[dict[str, Any]]:
         """Every server's IPC handle (the trainer gives None)."""
@@ -316,30 +325,31 @@ class WeightSender:
         return num_tensors, num_bytes
 
     @property
-    def can_stage(self) -> bool:
-        """Whether the last update left mapped servers' buffers that `stage` may write the next one into."""
-        return self._staged is not None
+    def staged_layout(self) -> str | None:
+        """CUDA IPC: the digest of the last update's layout when its servers' buffers are mapped here, so an
+        update laid out alike may be staged (`send_staged`); None otherwise."""
+        return self._staged[1] if self._staged is not None else None
 
-    def stage(self, weights: Iterable[tuple[str, Tensor]]) -> tuple[str | None, Iterable[tuple[str, Tensor]]]:
-        """CUDA IPC, an update laid out as the last one sent: writes it into every server's staging buffer
-        (mapped at that update) and returns (the layout's digest, the weights as a list); the caller then
-        tells the servers to make it live (`WeightReceiver.staged`). Otherwise (None, the same weights, none
-        lost) and `send` moves them. Call only once the last update's servers answered that it is live."""
-        staged = self._staged
-        if staged is None or self._planner is None:
-            return None, weights
-        window, layout, buffers = staged
+    def send_staged(self, weights: Iterable[tuple[str, Tensor]], *, cancel: threading.Event | None = None) -> bool:
+        """The trainer's side of a staged update (announced with `staged_layout`): writes it into every
+        server's staging buffer, then marks it written. Returns False, having marked it not written, when
+        the weights are not laid out as the last update (the servers refuse it; send it in full)."""
+        group, staged = self._group, self._staged
+        assert group is not None and staged is not None and self._planner is not None, "send_staged() without a staged layout"
+        window, _, buffers = staged
         clock = Phases()
-        matched, weights = self._planner.match(weights)
+        matched, _ = self._planner.match(weights)
         clock.lap("plan")
-        if matched is None or matched[0] is not window:
-            return None, weights
-        for flat in buffers:
-            pack(window, matched[1], flat)
-        _settle(buffers[0])  # written before the servers are told
+        written = matched is not None and matched[0] is window
+        if written:
+            for flat in buffers:
+                pack(window, matched[1], flat)
+            _settle(buffers[0])  # written before the mark tells the servers so
         clock.lap("payload")
+        group.finish([group.mark(WRITTEN if written else NOT_WRITTEN)[0]], cancel=cancel)
+        clock.lap("end")
         self.phases = clock.seconds
-        return layout, weights
+        return written
 
     def _broadcast_buckets(self, group: _Group, window: Window, tensors: list[Tensor], cancel: threading.Event | None) -> None:
         """One broadcast per bucket; bucket k+1 is packed into the other buffer while bucket k travels."""
@@ -470,16 +480,29 @@ class WeightReceiver:
         self.phases = clock.seconds
         return staging
 
-    def staged(self, layout: str) -> Named:
-        """The update the trainer wrote into this server's staging buffer (CUDA IPC, `WeightSender.stage`),
-        laid out as the last one received whole in this group (`layout`: its digest). NotStaged when it is
-        not (never received, another layout, a failed receive since): the trainer then sends it in full."""
+    def receive_staged(self, layout: str) -> Named:
+        """A staged update (CUDA IPC, `WeightSender.send_staged`): once the trainer marks it written, the
+        tensors in this server's staging buffer, laid out as the last update received whole in this group
+        (`layout`: its digest). NotStaged when it is not (the trainer's weights are laid out otherwise, or this
+        server has no such layout): the trainer then sends it in full, in a group formed again. A failed
+        mark (the trainer died, or stalled past the timeout) drops the group, as a failed receive does."""
+        group = self._group
+        assert group is not None, "receive_staged() outside a group"
+        group.progress_at = time.monotonic()
+        clock = Phases()
+        try:
+            work, mark = group.mark()
+            group.finish([work])
+        except BaseException:
+            self._drop(group)
+            raise
+        clock.lap("mark")
         window = self._window
-        if self._group is None or self._staged is None or layout != self._staged or window is None:
-            raise NotStaged(f"no staged update laid out as {layout[:12]} in this server's weight-sync group; send it in full")
-        start = time.perf_counter()
+        if int(mark) != WRITTEN or self._staged is None or layout != self._staged or window is None:
+            raise NotStaged(f"no staged update laid out as {layout[:12]} here (trainer's mark {int(mark)}); send it in full")
         staging = unpack(window, self._buffers[0][0][: window.num_bytes])
-        self.phases = {"unpack": time.perf_counter() - start}
+        clock.lap("unpack")
+        self.phases = clock.seconds
         return staging
 
     def settle(self) -> None:

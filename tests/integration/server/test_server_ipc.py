@@ -1,9 +1,9 @@
 """Weight sync by CUDA IPC: the trainer (this process) and a real `tandem rollout` share one GPU, and the
 trainer writes each update straight into the server's staging buffer (reused across updates, so later
 updates go through buffers mapped by the first). With reuse off every update goes through the group; on
-(the default), the second and third are staged: written into the mapped buffer, then announced by one
-request. The update lands whole, bumps the version, and the server's greedy tokens equal the trainer's;
-bytes written and never announced (a trainer dying mid-write) change nothing served."""
+(the default), the second and third are staged: written into the mapped buffer while announced, then
+marked by one gloo broadcast. The update lands whole, bumps the version, and the server's greedy tokens
+equal the trainer's; bytes written and never marked (a trainer dying mid-write) change nothing served."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def test_ipc_updates_make_server_greedy_equal_trainer_greedy_and_bump_the_versio
                 served = client.generate(prompt_ids, GREEDY)
                 assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
                 assert served.policy_versions == [version] * len(served.token_ids)
-            assert ("live" in publisher.sender.phases) == reuse  # staged: announced after the write, no collective
+            assert ("live" in publisher.sender.phases) == reuse  # staged: written while announced, one mark
         _, _, buffers = publisher.sender._staged
-        buffers[0].fill_(0xFF)  # NaN everywhere, never announced
+        buffers[0].fill_(0xFF)  # NaN everywhere, never marked
         torch.cuda.synchronize()
         served = client.generate(prompt_ids, GREEDY)
         assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and served.policy_versions[0] == version

@@ -36,8 +36,9 @@ def test_gloo_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
 
 def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_nothing(server, client, tiny_model_dir, tiny_tokenizer):
     """CUDA IPC's protocol on CPU (the server's staging buffer a shared file): the first update goes through
-    the group; the next ones are written into the server's buffer, then made live by one request. A trainer
-    that dies while writing (garbage in the buffer, never announced) leaves the served version as it was."""
+    the group; the next ones are written into the server's buffer while announced, then marked. Bytes
+    written and never marked (a trainer dying mid-write) leave the served version as it was; a staged
+    update the server cannot take (another trainer's group came in between) goes in full."""
     prompt_ids = tiny_tokenizer.encode("the answer is")
     config = sync(backend="ipc")
     for seed in (4, 5, 4):  # the third re-sends the first's weights: nothing of the second may remain
@@ -46,9 +47,9 @@ def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_
         publisher = push(client, model.named_parameters(), version=version + 1, config=config)
         assert client.readiness()[0]["policy_version"] == version + 1
         assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
-    assert "live" in publisher.sender.phases  # staged: announced after the write, no collective
+    assert "live" in publisher.sender.phases  # staged: written while announced, one mark
     _, _, buffers = publisher.sender._staged
-    buffers[0].fill_(0xFF)  # NaN everywhere, never announced
+    buffers[0].fill_(0xFF)  # NaN everywhere, never marked
     completion = client.generate(prompt_ids, GREEDY)
     assert completion.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and completion.policy_versions[0] == version + 1
     model = trainer_model(tiny_model_dir, 6)
@@ -59,7 +60,7 @@ def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_
     push(client, model.named_parameters(), version=version + 4, config=config)  # staged into a buffer the server dropped: refused, sent in full
     assert client.readiness()[0]["policy_version"] == version + 4
     assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
-    assert "live" not in publisher.sender.phases and publisher.sender.can_stage
+    assert "live" not in publisher.sender.phases and publisher.sender.staged_layout is not None
 
 
 def test_drain_update_waits_for_in_flight_requests_which_keep_the_old_version(server, client, tiny_model_dir):

@@ -56,7 +56,7 @@ class FakeReceiver:
     def stalled_s(self) -> float:
         return 0.0
 
-    def staged(self, layout: str):
+    def receive_staged(self, layout: str):
         if layout != "abc":
             raise NotStaged(f"no staged update laid out as {layout}")
         return [("w", torch.full((2,), 2.0))]

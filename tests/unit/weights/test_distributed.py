@@ -89,9 +89,17 @@ def test_sender_to_receiver_over_gloo_moves_every_tensor_by_name():
     receiver.close()
 
 
-def _receive_while(receiver: WeightReceiver, send) -> list:
+def _receive_while(receiver: WeightReceiver, send, call=None):
+    """What the receiver's `call` (default: receive) returned or raised while `send` ran."""
     out: list = []
-    thread = threading.Thread(target=lambda: out.append(receiver.receive()))
+
+    def receive() -> None:
+        try:
+            out.append((call or receiver.receive)())
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            out.append(error)
+
+    thread = threading.Thread(target=receive)
     thread.start()
     send()
     thread.join(30)
@@ -100,31 +108,29 @@ def _receive_while(receiver: WeightReceiver, send) -> list:
 
 def test_ipc_update_laid_out_as_the_last_is_staged_into_the_mapped_buffer_and_anything_else_goes_in_full():
     """CUDA IPC's protocol, on CPU (the staging buffer a shared file): update 1 goes through the group;
-    update 2 is written into the server's buffer with no collective and read back by digest; a changed
-    layout is not staged (and no tensor is lost); a wrong digest or a new group is NotStaged."""
+    update 2 is written into the server's buffer and marked, the one collective, and read back from the
+    same buffer; a changed layout is marked not written and refused (NotStaged), as is an unknown digest."""
     from tandemrl.weights.group import NotStaged
 
     sender, receiver = _pair(transport="ipc")
     first = named_tensors()
-    assert sender.stage(first) == (None, first)  # nothing mapped yet
+    assert sender.staged_layout is None  # nothing mapped yet
     got = _receive_while(receiver, lambda: sender.send(first))
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, first))
+    layout = sender.staged_layout
     second = [(n, t * 3 if t.dtype != torch.bool else ~t) for n, t in named_tensors()]
-    layout, items = sender.stage(iter(second))
-    assert layout is not None and [n for n, _ in items] == [n for n, _ in second] and "live" not in sender.phases
-    staged = receiver.staged(layout)
+    written: list[bool] = []
+    staged = _receive_while(receiver, lambda: written.append(sender.send_staged(iter(second))), call=lambda: receiver.receive_staged(layout))
+    assert written == [True] and set(sender.phases) == {"plan", "payload", "end"}
     assert [n for n, _ in staged] == [n for n, _ in second] and all(torch.equal(a, b) for (_, a), (_, b) in zip(staged, second))
     assert staged[0][1].data_ptr() == got[0][1].data_ptr()  # the same buffer and views as update 1
-    with pytest.raises(NotStaged):
-        receiver.staged("0" * 40)
     grown = [*named_tensors(), ("h.extra", torch.ones(2))]
-    unstaged, rest = sender.stage(iter(grown))
-    assert unstaged is None and [n for n, _ in rest] == [n for n, _ in grown]
-    sender.close()
-    receiver.adopt("another", receiver._group)  # a new trainer's group: the buffer the last one may still write is dropped
-    with pytest.raises(NotStaged):
-        receiver.staged(layout)
-    receiver.close()
+    refused = _receive_while(receiver, lambda: written.append(sender.send_staged(grown)), call=lambda: receiver.receive_staged(layout))
+    assert written[-1] is False and isinstance(refused, NotStaged)
+    again = _receive_while(receiver, lambda: written.append(sender.send_staged(second)), call=lambda: receiver.receive_staged("0" * 40))
+    assert written[-1] is True and isinstance(again, NotStaged)  # a layout this server never received
+    died = _receive_while(receiver, lambda: (time.sleep(0.2), sender.close(wait_s=5)), call=lambda: receiver.receive_staged(layout))
+    assert isinstance(died, (RuntimeError, OSError)) and receiver.group_id is None  # the trainer gone before its mark: nothing, group dropped
 
 
 def test_an_update_laid_out_as_the_last_reuses_its_window_and_any_change_is_planned_afresh():

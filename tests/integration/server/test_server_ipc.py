@@ -3,11 +3,14 @@ trainer writes each update straight into the server's staging buffer (reused acr
 updates go through buffers mapped by the first). With reuse off every update goes through the group; on
 (the default), the second and third are staged: written into the mapped buffer while announced, then
 marked by one gloo broadcast. The update lands whole, bumps the version, and the server's greedy tokens
-equal the trainer's; bytes written and never marked (a trainer dying mid-write) change nothing served."""
+equal the trainer's; bytes written and never marked (a trainer dying mid-write) change nothing served, and
+a staged write into the buffer of a server that died since leaves the trainer's CUDA context working."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -42,6 +45,13 @@ def test_ipc_updates_make_server_greedy_equal_trainer_greedy_and_bump_the_versio
         served = client.generate(prompt_ids, GREEDY)
         assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and served.policy_versions[0] == version
         assert "(ipc)" in server.log_text()
+        server.kill()  # a server dead between updates: the next staged write lands in its mapped buffer before anything fails
+        cancel = threading.Event()
+        threading.Timer(5.0, cancel.set).start()
+        with contextlib.suppress(RuntimeError, ConnectionError, OSError):  # its mark may fail or not: the peer is gone either way
+            publisher.sender.send_staged([(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()], cancel=cancel)
+        torch.cuda.synchronize()
+        assert torch.ones(4, device="cuda:0").sum().item() == 4  # the trainer's CUDA context survived the write
     finally:
         client.close()
         server.stop()

@@ -4,7 +4,8 @@ Three ways to sample the same tokens, in one process, each timed warm:
 - single_turn: 64 prompts x 8 samples, 128 prompt tokens, one turn of 3 x T sampled tokens (the reference);
 - multiturn: the same rollouts as 3 turns of T tokens through rollout/run.py, a 50 ms tool call between
   turns (an async Python tool through the ToolBox), each turn's prompt the whole conversation so far, so
-  the engine's prefix cache reuses earlier turns and rollouts run through their turns independently;
+  the engine's prefix cache reuses earlier turns and rollouts run through their turns independently
+  (while the tool runs, each rollout prefills its next turn's head: --no-warm_up_turns turns that off);
 - turn_at_a_time: the same 3 turns played in lockstep (every rollout's turn k, then all tool calls, then
   turn k + 1) with the prefix cache emptied before each turn: every turn re-prefills its whole history.
 Random weights never write the end-of-turn token, so each turn samples exactly T tokens (ignore_eos) and
@@ -69,6 +70,8 @@ class BenchEnv:
 class FixedTurns:
     """The engine, with every turn exactly max_tokens long and reported as stopped (see module docstring)."""
 
+    caches_prefixes = Engine.caches_prefixes
+
     def __init__(self, engine: Engine):
         self.engine, self.version = engine, engine.version
         self._fixed: dict[SamplingParams, SamplingParams] = {}  # a rollout's turns share their params: replaced once (8 us each)
@@ -79,6 +82,9 @@ class FixedTurns:
             fixed = self._fixed[params] = dataclasses.replace(params, ignore_eos=True, stop_token_ids=())
         completion = await self.engine.generate(prompt_ids, fixed)
         return dataclasses.replace(completion, finish_reason="stop")
+
+    def num_unfinished(self) -> int:
+        return self.engine.num_unfinished()
 
 
 def build_model(shape: str, device: str):
@@ -248,6 +254,8 @@ def main() -> None:
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
     parser.add_argument("--overlap_prefills", action=argparse.BooleanOptionalAction, default=EngineConfig.overlap_prefills,
                         help="the engine's prefill overlap (EngineSettings)")
+    parser.add_argument("--warm_up_turns", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill each next turn's head while the tool runs (ToolsConfig)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()
@@ -258,9 +266,9 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(400, SHAPES[shape]["vocab_size"]) for _ in range(128)] for _ in range(num_prompts)]
     toolbox = ToolBox([python_tool(lookup)], timeout_s=5)
-    mt = MultiTurn(env=BenchEnv(toolbox), chat=ChatFormat(tokenizer, toolbox.schemas), max_turns=NUM_TURNS, max_total_tokens=2048)
+    mt = MultiTurn(env=BenchEnv(toolbox), chat=ChatFormat(tokenizer, toolbox.schemas), max_turns=NUM_TURNS, max_total_tokens=2048, warm_up=args.warm_up_turns)
     engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps, overlap_prefills=args.overlap_prefills), model=model, tokenizer=tokenizer)
-    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50, "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills}
+    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50, "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills, "warm_up_turns": args.warm_up_turns}
 
     def part(small: bool) -> list[list[int]]:
         return prompts[:2] if small else prompts

@@ -126,7 +126,7 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
             if env is not None:
                 parts.multi_turn = MultiTurn(
                     env=env, chat=ChatFormat(parts.tokenizer, tools, chat_template_kwargs=config.data.chat_template_kwargs),
-                    max_turns=config.tools.max_turns, max_total_tokens=config.tools.max_total_tokens,
+                    max_turns=config.tools.max_turns, max_total_tokens=config.tools.max_total_tokens, warm_up=config.tools.warm_up_turns,
                 )
             await run_loop(parts, settings, start_step=start_step)
     finally:

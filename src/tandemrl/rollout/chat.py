@@ -104,6 +104,7 @@ class ChatFormat:
         # rollout; answers repeat (a group's rollouts make the same calls, errors recur), so each distinct
         # answer's delta is computed once (a delta is a function of the messages alone)
         self._deltas: dict[tuple[str, bool], tuple[int, ...]] = {}
+        self._heads: dict[bool, tuple[int, ...]] = {}  # answer_head_ids by whether the turn sampled its end
 
     def delta_ids(self, messages: list[Message], *, last_sampled_id: int | None) -> list[int]:
         """Context tokens that follow a sampled assistant turn: its closing, `messages`, the next opening.
@@ -122,6 +123,20 @@ class ChatFormat:
             if len(self._deltas) > DELTA_CACHE_SIZE:
                 del self._deltas[next(iter(self._deltas))]  # the oldest answer
         return list(ids)
+
+    def answer_head_ids(self, *, last_sampled_id: int | None) -> list[int]:
+        """The head of the next delta that no tool answer changes, less its last token (a tokenizer may
+        merge it with the answer's first characters); [] when two answers differ from the first token.
+
+        Example (ChatML, turn not ended by <|im_end|>) -> ids of "<|im_end|>\n<|im_start|>user\n<tool_response>"
+        """
+        sampled_end = last_sampled_id is not None and last_sampled_id == self.end_of_turn_id
+        head = self._heads.get(sampled_end)
+        if head is None:
+            zero, one = (self.delta_ids([{"role": "tool", "content": c}], last_sampled_id=last_sampled_id) for c in "01")
+            same = next((i for i, (a, b) in enumerate(zip(zero, one)) if a != b), min(len(zero), len(one)))
+            head = self._heads[sampled_end] = tuple(zero[: max(same - 1, 0)])
+        return list(head)
 
     def _after_mark(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         full = self._render(self._stand_in + messages, add_generation_prompt, tools)

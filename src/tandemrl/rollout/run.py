@@ -9,6 +9,7 @@ rewards and logs.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ class MultiTurn:
     chat: ChatFormat
     max_turns: int
     max_total_tokens: int
+    warm_up: bool = True  # --warm_up_turns
 
 
 async def play(
@@ -55,7 +57,7 @@ async def _play_turns(
     """Turns until the environment has nothing to add. A rollout ends truncated (finish "length") when a
     turn hits its token limit, when the environment's answer would pass max_total_tokens, or when the
     environment still answers after max_turns (that answer is then not played)."""
-    trace, messages, turns = TokenTrace(), [], []
+    trace, messages, turns, warm_ups = TokenTrace(), [], [], []
     decode = decoder_of(tokenizer)
     trace.append_context(prompt_ids)
     if mt.chat.end_of_turn_id is not None:  # a turn ends where the template closes an assistant message
@@ -73,15 +75,20 @@ async def _play_turns(
         finish = completion.finish_reason
         if finish != "stop":
             break
+        last_sampled_id = completion.token_ids[-1] if completion.token_ids else None
+        if mt.warm_up and number < mt.max_turns - 1:
+            warm_ups += _warm_up(generator, trace.token_ids, mt, last_sampled_id)
         answers = await mt.env.step(example, messages)
         if not answers:
             break
-        delta = mt.chat.delta_ids(answers, last_sampled_id=completion.token_ids[-1] if completion.token_ids else None)
+        delta = mt.chat.delta_ids(answers, last_sampled_id=last_sampled_id)
         if number == mt.max_turns - 1 or len(trace.token_ids) + len(delta) >= mt.max_total_tokens:
             finish = "length"
             break
         trace.append_context(delta)
         messages += answers
+    for task in warm_ups:  # one still queued is of no use any more
+        task.cancel()
     return Rollout(
         example=example,
         trace=trace,
@@ -91,6 +98,25 @@ async def _play_turns(
         messages=messages,
         turns=turns,
     )
+
+
+WARM_UP = SamplingParams(max_tokens=1, temperature=0.0, seed=0)  # seeded: a warm-up takes nothing from the engine's seed counter
+
+
+def _warm_up(generator: Generator, token_ids: list[int], mt: MultiTurn, last_sampled_id: int | None) -> list[asyncio.Task]:
+    """While the environment answers, the generator prefills the head of the next turn that no tool answer
+    changes (the sampled turn's closing, a tool message's opening), so the next turn computes only the
+    answer and what follows it. Only a generator with a prefix cache that has nothing else to run (every
+    rollout between turns at once): a warm-up in a busy engine would stop its decode batch for a prefill
+    step, while its tool calls are hidden behind the other rollouts' decoding anyway. Its token is dropped."""
+    if not getattr(generator, "caches_prefixes", False) or generator.num_unfinished():
+        return []
+    head = mt.chat.answer_head_ids(last_sampled_id=last_sampled_id)
+    if not head or len(token_ids) + len(head) >= mt.max_total_tokens:
+        return []
+    task = asyncio.get_running_loop().create_task(generator.generate(token_ids + head, WARM_UP))
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a failed warm-up changes nothing: never logged
+    return [task]
 
 
 def _turn(start: int, completion: Completion, generator: Generator) -> Turn:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -254,3 +255,84 @@ def test_the_rollouts_decoder_decodes_as_the_tokenizer_does(tiny_tokenizer):
 
     overriding = Overriding.__new__(Overriding)
     assert decoder_of(overriding)([1]) == "overridden"
+
+
+class CachingScripted(ScriptedGenerator):
+    """A scripted generator that says it keeps a prefix cache, idle between turns: the rollout warms it up."""
+
+    caches_prefixes = True
+
+    def __init__(self, script: list[list[int]]):
+        super().__init__(script)
+        self.warm_ups: list[list[int]] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        if params.max_tokens == 1 and params.seed == 0:  # run.WARM_UP: answered without touching the script
+            self.warm_ups.append(list(prompt_ids))
+            return Completion(token_ids=[0], logprobs=[0.0], finish_reason="length", policy_versions=[self.version])
+        return await super().generate(prompt_ids, params)
+
+    def num_unfinished(self) -> int:
+        return 0
+
+
+def test_a_warm_up_prefills_the_next_turns_head_and_changes_no_token(tiny_tokenizer):
+    """While the tool runs, a generator with a prefix cache gets the conversation + the head of the next
+    delta that no answer changes: a prefix of the next turn's prompt. The trace is the one without warm-ups."""
+    plain = run(*setup(tiny_tokenizer, TEXTS)[:4], tiny_tokenizer)
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, TEXTS)
+    warm = CachingScripted(generator.script)
+    rollout = run(warm, mt, prompt, prompt_ids, tiny_tokenizer)
+    assert rollout.trace == plain.trace
+    assert len(warm.warm_ups) == 2  # after turns 1 and 2; never after the last turn max_turns allows
+    for warm_up, next_prompt in zip(warm.warm_ups, warm.prompts[1:]):
+        assert next_prompt[: len(warm_up)] == warm_up and len(warm_up) < len(next_prompt)
+        assert tiny_tokenizer.decode(warm_up).endswith("<|im_start|>user\n<tool_response>")
+
+
+def test_warm_ups_keep_an_engines_tokens_and_move_prefill_work_before_the_answer(tiny_model_dir, tiny_tokenizer):
+    """With the engine: the same tokens with and without warm-ups, and the next turns' prompts hit the cache further."""
+    from tandemrl.generation.base import EngineConfig
+    from tandemrl.generation.engine import Engine
+    from tandemrl.rollout.group import play_group
+
+    class Answers:
+        async def step(self, example: Example, messages: list) -> list:
+            await asyncio.sleep(0.02)
+            return [{"role": "tool", "content": "the value is 4821"}]
+
+    class Stopped:
+        """The engine, every turn reported as stopped (a random model never closes its turn)."""
+
+        version = 0
+
+        def __init__(self, engine: Engine, warm: bool):
+            self.engine, self.caches_prefixes = engine, warm
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            return dataclasses.replace(await self.engine.generate(prompt_ids, params), finish_reason="stop")
+
+        def num_unfinished(self) -> int:
+            return self.engine.num_unfinished()
+
+    chat = ChatFormat(tiny_tokenizer)
+    mt = MultiTurn(env=Answers(), chat=chat, max_turns=3, max_total_tokens=512)
+    results = {}
+    for warm in (True, False):
+        engine = Engine(EngineConfig(device="cpu", max_num_seqs=16, max_model_len=512), model=_tiny_model(tiny_model_dir), tokenizer=tiny_tokenizer)
+        params = SamplingParams(max_tokens=6, temperature=1.0)
+        group = asyncio.run(play_group(Example(prompt="p"), encode(tiny_tokenizer, "a prompt"), generator=Stopped(engine, warm), params=params,
+                                       group_size=4, tokenizer=tiny_tokenizer, seed=3, multi_turn=mt))  # fmt: skip
+        assert [len(r.turns) for r in group.rollouts] == [3] * 4
+        results[warm] = ([r.trace for r in group.rollouts], engine.stats()["engine/num_prefix_hit_tokens"])
+        asyncio.run(engine.close())
+    for warmed, cold in zip(*(results[warm][0] for warm in (True, False))):
+        assert warmed.token_ids == cold.token_ids and warmed.loss_mask == cold.loss_mask
+        assert max(abs(a - b) for a, b in zip(warmed.logprobs, cold.logprobs)) < 1e-4  # cached vs recomputed KV
+    assert results[True][1] > results[False][1]
+
+
+def _tiny_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir)

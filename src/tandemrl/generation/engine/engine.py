@@ -148,6 +148,7 @@ class Engine:
         self._thread.start()
 
     streams_tokens = True  # generate() takes on_token
+    caches_prefixes = True  # a request's blocks are kept for later requests to reuse (rollout/run.py warms next turns up)
 
     # --- the Generator protocol ----------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:

@@ -87,9 +87,10 @@ class EngineSettings:
     prefill_wait_steps: int = 0
     """While sequences decode, new requests wait up to this many decode steps to be prefilled together
     (tool rollouts' next turns arrive a few at a time); 0 = prefilled at the next step."""
-    overlap_prefills: bool = True
+    overlap_prefills: bool = False
     """Launch a prefill step before the last prefill's tokens are read, when more requests wait than one step
-    admits (tool rollouts' next turns), as decode steps are on CUDA: its host work runs while the last one computes."""
+    admits (tool rollouts' next turns), as decode steps are on CUDA (off: slower than without in the one GPU
+    measurement, bench/RESULTS.md)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
     tensor_parallel_size: int = 1

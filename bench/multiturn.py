@@ -5,7 +5,7 @@ Three ways to sample the same tokens, in one process, each timed warm:
 - multiturn: the same rollouts as 3 turns of T tokens through rollout/run.py, a 50 ms tool call between
   turns (an async Python tool through the ToolBox), each turn's prompt the whole conversation so far, so
   the engine's prefix cache reuses earlier turns and rollouts run through their turns independently
-  (while the tool runs, each rollout prefills its next turn's head: --no-warm_up_turns turns that off);
+  (with --warm_up_turns each rollout prefills its next turn's head while the tool runs);
 - turn_at_a_time: the same 3 turns played in lockstep (every rollout's turn k, then all tool calls, then
   turn k + 1) with the prefix cache emptied before each turn: every turn re-prefills its whole history.
 Random weights never write the end-of-turn token, so each turn samples exactly T tokens (ignore_eos) and
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--prefill_wait_steps", type=int, default=0, help="the engine's prefill holdoff (EngineSettings)")
     parser.add_argument("--overlap_prefills", action=argparse.BooleanOptionalAction, default=EngineConfig.overlap_prefills,
                         help="the engine's prefill overlap (EngineSettings)")
-    parser.add_argument("--warm_up_turns", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--warm_up_turns", action=argparse.BooleanOptionalAction, default=False,
                         help="prefill each next turn's head while the tool runs (ToolsConfig)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")

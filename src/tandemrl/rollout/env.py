@@ -34,9 +34,10 @@ class ToolsConfig:
     """Tokens of a whole conversation (prompt, turns, tool answers) at most; past it the rollout is truncated."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take; then its answer to the model is a timeout error."""
-    warm_up_turns: bool = True
+    warm_up_turns: bool = False
     """While a tool runs and the engine has nothing else to run, prefill the head of the next turn that no
-    answer changes (the turn's closing, the tool message's opening), so the next turn computes less."""
+    answer changes (the turn's closing, the tool message's opening), so the next turn computes less (off:
+    slower on the one GPU measurement, its extra requests' host work lands between turns)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

@@ -28,7 +28,7 @@ class MultiTurn:
     chat: ChatFormat
     max_turns: int
     max_total_tokens: int
-    warm_up: bool = True  # --warm_up_turns
+    warm_up: bool = False  # --warm_up_turns
 
 
 async def play(

@@ -281,6 +281,7 @@ def test_a_warm_up_prefills_the_next_turns_head_and_changes_no_token(tiny_tokeni
     delta that no answer changes: a prefix of the next turn's prompt. The trace is the one without warm-ups."""
     plain = run(*setup(tiny_tokenizer, TEXTS)[:4], tiny_tokenizer)
     generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, TEXTS)
+    mt = dataclasses.replace(mt, warm_up=True)
     warm = CachingScripted(generator.script)
     rollout = run(warm, mt, prompt, prompt_ids, tiny_tokenizer)
     assert rollout.trace == plain.trace
@@ -316,7 +317,7 @@ def test_warm_ups_keep_an_engines_tokens_and_move_prefill_work_before_the_answer
             return self.engine.num_unfinished()
 
     chat = ChatFormat(tiny_tokenizer)
-    mt = MultiTurn(env=Answers(), chat=chat, max_turns=3, max_total_tokens=512)
+    mt = MultiTurn(env=Answers(), chat=chat, max_turns=3, max_total_tokens=512, warm_up=True)
     results = {}
     for warm in (True, False):
         engine = Engine(EngineConfig(device="cpu", max_num_seqs=16, max_model_len=512), model=_tiny_model(tiny_model_dir), tokenizer=tiny_tokenizer)

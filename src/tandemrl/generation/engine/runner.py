@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -34,11 +33,12 @@ def _tensor_fields(meta) -> dict[str, Tensor]:
     return {f.name: getattr(meta, f.name) for f in fields(meta) if isinstance(getattr(meta, f.name), Tensor)}
 
 
-def to_device_packed(tensors: list[Tensor], device: torch.device, staging: Callable[[torch.dtype, int], Tensor]) -> list[Tensor]:
+def to_device_packed(tensors: list[Tensor], device: torch.device, *, pin_memory: bool) -> list[Tensor]:
     """Host tensors on `device`: every integer one in a single copy (as int64, cast back there), every
-    float32 one in another, each through `staging(dtype, numel)`, a host buffer of that many elements
-    (pinned on CUDA: a copy from pageable memory may wait for the step in flight, since the driver
-    stages it through a pinned buffer of its own). The caller keeps a buffer until its copy has run.
+    float32 one in another, each from pinned memory. A copy from pageable memory may wait for the step
+    in flight (the driver stages it through a pinned buffer of its own), so a prefill launched while the
+    last one runs (--overlap_prefills) would wait for it. A pinned block is not reused before its copy
+    has run (torch's caching host allocator records the copy), so nothing here outlives the call.
 
     Example: [int32 [1, 2], float32 [0.5], int64 [[3], [4]]] -> the same values, dtypes and shapes on
     `device`, from two copies: int64 [1, 2, 3, 4] and float32 [0.5]
@@ -49,7 +49,7 @@ def to_device_packed(tensors: list[Tensor], device: torch.device, staging: Calla
         if not group:
             continue
         sizes = [tensors[i].numel() for i in group]
-        staged = staging(wire, sum(sizes))
+        staged = torch.empty(sum(sizes), dtype=wire, pin_memory=pin_memory)
         torch.cat([tensors[i].reshape(-1).to(wire) for i in group], out=staged)
         for i, part in zip(group, staged.to(device, non_blocking=True).split(sizes)):
             moved[i] = part.view(tensors[i].shape).to(tensors[i].dtype)
@@ -109,10 +109,6 @@ class ModelRunner:
             self._host_logprobs = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
             # start, sampled, on host, and a prefill's forward launched (after its host-built inputs)
             self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(2)]
-            # a prefill's inputs cross through these (runner._to_device): ~8 MB of indices a slot, grown when needed
-            self._staging = [{torch.int64: torch.empty(1 << 20, dtype=torch.int64, pin_memory=True),
-                              torch.float32: torch.empty(1 << 12, dtype=torch.float32, pin_memory=True)} for _ in range(2)]  # fmt: skip
-            self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after a slot's copies
 
     # --- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -217,7 +213,7 @@ class ModelRunner:
         if batch.block_copies:
             inputs["copy_src"], inputs["copy_dst"] = self.block_copy_slots(batch.block_copies)
         meta_fields, sampling_fields = _tensor_fields(meta), _tensor_fields(sampling)
-        moved = iter(self._to_device([*inputs.values(), *meta_fields.values(), *sampling_fields.values()], slot))
+        moved = iter(self._to_device([*inputs.values(), *meta_fields.values(), *sampling_fields.values()]))
         inputs = {k: next(moved) for k in inputs}
         meta = replace(meta, **{k: next(moved) for k in meta_fields})
         sampling = replace(sampling, **{k: next(moved) for k in sampling_fields})
@@ -229,22 +225,8 @@ class ModelRunner:
             self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))
         return (logits[inputs["rows"]] if "rows" in inputs else logits), sampling
 
-    def _to_device(self, tensors: list[Tensor], slot: int) -> list[Tensor]:
-        """Through this slot's pinned staging buffers, allocated once: a pinned allocation may wait for the
-        device, and a prefill may be launched while the last one runs. A slot's buffers are rewritten only
-        once its last copies have run (two launches ago: the wait returns at once)."""
-        if not self.is_cuda:
-            return tensors
-        self._staged[slot].synchronize()
-        moved = to_device_packed(tensors, self.device, lambda dtype, numel: self._staging_buffer(slot, dtype, numel))
-        self._staged[slot].record()
-        return moved
-
-    def _staging_buffer(self, slot: int, dtype: torch.dtype, numel: int) -> Tensor:
-        buffer = self._staging[slot][dtype]
-        if buffer.numel() < numel:  # a step past every earlier one: grown (rarely), its copies ran (see _to_device)
-            buffer = self._staging[slot][dtype] = torch.empty(2 * numel, dtype=dtype, pin_memory=True)
-        return buffer[:numel]
+    def _to_device(self, tensors: list[Tensor]) -> list[Tensor]:
+        return to_device_packed(tensors, self.device, pin_memory=True) if self.is_cuda else tensors
 
     def top_logprobs(self, launched: Launched) -> list[dict[int, float]] | None:
         """Per row, the most likely tokens of the model's own distribution (before temperature and

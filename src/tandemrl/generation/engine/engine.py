@@ -72,8 +72,6 @@ class Engine:
         self._build_control_plane()
         self._start_thread()
 
-    streams_tokens = True  # generate() takes on_token
-
     # --- construction ----------------------------------------------------------------------------------
     def _load_model(self, model: Any, tokenizer: Any) -> None:
         """The tokenizer, its end-of-sequence ids, max_model_len and the inference model (from `model`'s

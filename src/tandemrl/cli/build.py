@@ -58,7 +58,7 @@ def run(config: TrainConfig) -> Path:
     examples = _data(config, task)
     evals = _eval_set(config)
     config = with_epochs(config, len(examples))
-    judge_generator, judge = _judge(config)
+    judge_generator, judge = _judge(config, scores=dp.scores)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
     early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
@@ -308,11 +308,15 @@ def _reward_weights(config: TrainConfig, task: Task | None, judge: RewardFunc | 
     return task.reward_weights + ([1.0] if judge is not None else [])
 
 
-def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
-    """The generative reward model's Generator (None for a plugin that needs none) and its reward function."""
+def _judge(config: TrainConfig, *, scores: bool = True) -> tuple[Any, RewardFunc | None]:
+    """The generative reward model's Generator (None for a plugin that needs none) and its reward function.
+    On a rank that scores no groups (`DataParallel.scores`) neither is built: the judge's place among the
+    reward functions is kept, and calling it there is a bug."""
     j = config.judge
     if not j.enabled:
         return None, None
+    if not scores:
+        return None, RewardFunc(name="reward_model", fn=_judged_elsewhere)
     generator = tokenizer = None
     if j.reward_model:
         tokenizer = load_tokenizer(j.reward_model)
@@ -323,6 +327,10 @@ def _judge(config: TrainConfig) -> tuple[Any, RewardFunc | None]:
             generator = build_generator(backend, tokenizer=tokenizer)
     judge = build_judge(j, generator=generator, tokenizer=tokenizer)
     return generator, RewardFunc(name="reward_model", fn=judge)
+
+
+def _judged_elsewhere(*_: Any, **__: Any) -> list:
+    raise RuntimeError("the reward model scores on the ranks that generate; this rank generates no groups")
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:

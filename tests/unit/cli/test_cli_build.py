@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandemrl.cli.build import _policy, _rollout_side
+from tandemrl.cli.build import _judge, _policy, _rollout_side
 from tandemrl.cli.train import parse
 
 
@@ -30,6 +30,16 @@ def test_generator_device_places_the_colocated_engine():
         assert generator.config.device == "cpu" and generator.device.type == "cpu"
     finally:
         asyncio.run(generator.close())
+
+
+def test_a_rank_that_scores_nothing_builds_no_judge():
+    config, _ = parse(["--reward_model", "no/such-judge", "--device", "cpu"])
+    with pytest.raises(OSError):  # a rank that scores loads the judge
+        _judge(config, scores=True)
+    generator, judge = _judge(config, scores=False)  # the others load nothing, and keep its place
+    assert generator is None and judge.name == "reward_model"
+    with pytest.raises(RuntimeError, match="this rank generates no groups"):
+        judge.fn([], [])
 
 
 @pytest.mark.parametrize(

@@ -12,18 +12,21 @@ def test_groups_are_dealt_round_robin_and_every_group_has_one_owner():
     ranks = [DataParallel(rank=r, world_size=3) for r in range(3)]
     assert [[i for i in range(6) if dp.owns(i)] for dp in ranks] == [[0, 3], [1, 4], [2, 5]]
     assert [dp.share(list("abcdef")) for dp in ranks] == [["a", "d"], ["b", "e"], ["c", "f"]]
+    assert all(dp.scores for dp in ranks)
 
 
 def test_an_engine_split_over_ranks_is_driven_by_its_first_rank():
     ranks = [DataParallel(rank=r, world_size=4, tensor_parallel_size=2) for r in range(4)]
     assert [[i for i in range(6) if dp.owns(i)] for dp in ranks] == [[0, 2, 4], [], [1, 3, 5], []]
     assert [dp.share(list("abcd")) for dp in ranks] == [["a"], ["b"], ["c"], ["d"]]  # every rank trains
+    assert [dp.scores for dp in ranks] == [True, False, True, False]  # a judge is built where groups are scored
 
 
 def test_with_rollout_servers_rank_zero_generates_every_group_and_every_rank_trains():
     ranks = [DataParallel(rank=r, world_size=2, rank_zero_generates=True) for r in range(2)]
     assert [[i for i in range(4) if dp.owns(i)] for dp in ranks] == [[0, 1, 2, 3], []]
     assert [dp.share(list("abcd")) for dp in ranks] == [["a", "c"], ["b", "d"]]
+    assert [dp.scores for dp in ranks] == [True, False]
 
 
 def test_a_colocated_engine_split_over_ranks_refuses_staleness():

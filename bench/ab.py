@@ -67,7 +67,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, src in trees:
             for record in run_tree(name, src, command):
-                key = (record.get("model"), record.get("workload"), record.get("system"))
+                key = (record.get("model"), record.get("workload"), record.get("system") or record.get("mode"))  # mode: bench/multiturn.py
                 seen[key][name].append(record["tokens_per_s"])
     base = trees[0][0]
     for (model, workload, system), by_tree in seen.items():

@@ -1,6 +1,9 @@
 """Multi-turn rollout throughput of our engine (tokens/s, tool calls/s) on a random-weight Qwen2.5-0.5B shape.
 
-Three ways to sample the same tokens, in one process, each timed warm:
+Three ways to sample the same tokens, in one process, each in steady state (one untimed run of the same
+size, then --repeats timed runs: the median's row, every run's seconds in `runs_s`), with the heap
+frozen after setup as `tandem train` and `tandem rollout` run (cli.frozen_heap: a full collection
+would rescan the model's objects, ~0.1-0.2 s, inside a timed run):
 - single_turn: 64 prompts x 8 samples, 128 prompt tokens, one turn of 3 x T sampled tokens (the reference);
 - multiturn: the same rollouts as 3 turns of T tokens through rollout/run.py, a 50 ms tool call between
   turns (an async Python tool through the ToolBox), each turn's prompt the whole conversation so far, so
@@ -13,6 +16,7 @@ is then treated as stopped. Required: multiturn keeps >= 70% of single_turn's to
 Prints one JSON line per mode and two ratio lines.
 
     python bench/multiturn.py                      # H200: 0.5B shape, 64 x 8, T = 128 (about 1-2 minutes)
+    python bench/multiturn.py --timeline           # then where the engine idles, step by step
     python bench/multiturn.py --toy --device cpu   # CPU check: a 2-layer model, 4 x 2, T = 8
 """
 
@@ -20,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import gc
 import random
+import sys
 import time
 
 import torch
 
+from tandemrl.cli import frozen_heap
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
 from tandemrl.rollout.chat import ChatFormat, ToolCall
@@ -137,21 +145,31 @@ async def run_turn_at_a_time(engine: Engine, prompts: list[list[int]], group_siz
     return {"sampled_tokens": sampled, "tool_calls": calls}
 
 
-def timed(label: str, engine: Engine, make, config: dict) -> dict:
-    asyncio.run(make(small=True))  # warm: kernels compile, graphs are captured, the allocator settles
-    asyncio.run(engine.update_weights([], version=engine.version))  # nothing cached from the warm-up
-    before = engine.stats()
-    started = time.perf_counter()
-    counts = asyncio.run(make(small=False))
-    seconds = time.perf_counter() - started
-    after = engine.stats()
+def timed(label: str, engine: Engine, make, config: dict, repeats: int) -> dict:
+    """The run `make()` timed `repeats` times after one untimed run of the same size, each from an empty
+    prefix cache; the row of the median run (every run's seconds listed). Steady state, as a training
+    run's rollouts meet the engine: every step plays rollouts of these shapes, so kernels are compiled
+    and tuned (Triton, cuBLAS) for the real prefill shapes and the allocator has settled before the
+    first timed run (a warm-up of a smaller run left the first full run's prefills cold: 0.93 s of
+    prefill device time against 0.22 s in a later process, bench/RESULTS.md)."""
+    asyncio.run(engine.update_weights([], version=engine.version))
+    asyncio.run(make())  # warm, at the timed shapes
+    runs = []
+    for _ in range(repeats):
+        asyncio.run(engine.update_weights([], version=engine.version))  # nothing cached from the last run
+        before = engine.stats()
+        started = time.perf_counter()
+        counts = asyncio.run(make())
+        seconds = time.perf_counter() - started
+        runs.append((seconds, counts, before, engine.stats()))
+    seconds, counts, before, after = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     counters = ("engine/num_prefill_tokens", "engine/num_prefix_hit_tokens", "engine/num_steps", "engine/num_prefill_steps")
     prefill = {k.split("/")[1]: int(after[k] - before[k]) for k in counters}
     # the engine thread's seconds by phase (prefill_s is part of prepare_s + device_wait_s); wall time
     # past their sum is time the engine had nothing to run: the turn boundaries' cost
     phases = ("prepare_s", "device_wait_s", "schedule_s", "postprocess_s", "prefill_s", "prefill_gpu_s", "gpu_s")
     prefill |= {k: round(after.get(f"engine/{k}", 0.0) - before.get(f"engine/{k}", 0.0), 3) for k in phases}  # .get: older trees (bench/ab.py)
-    row = {"mode": label, **config, **counts, **prefill, "seconds": round(seconds, 3),
+    row = {"mode": label, **config, **counts, **prefill, "seconds": round(seconds, 3), "runs_s": [round(run[0], 3) for run in runs],
            "tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "tool_calls_per_s": round(counts["tool_calls"] / seconds, 1)}
     print(json.dumps(row), flush=True)
     return row
@@ -204,8 +222,27 @@ class Timeline:
             self.arrivals.append((time.perf_counter(), len(seqs)))
             add_many(seqs)
 
-        runner.launch, runner.wait, ticks._hand_over = timed_launch, timed_wait, timed_add
-        self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many))
+        scheduler, schedule = engine.scheduler, engine.scheduler.schedule
+        self.schedules: list[tuple[float, float]] = []  # (start, end) of each schedule() (a step's admission)
+        self.collections: list[tuple[float, float, int]] = []  # (start, end, generation) of each garbage collection
+        collecting: list[float] = []
+
+        def timed_schedule():
+            started = time.perf_counter()
+            batch = schedule()
+            self.schedules.append((started, time.perf_counter()))
+            return batch
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                collecting[:] = [time.perf_counter()]
+            elif collecting:
+                self.collections.append((collecting[0], time.perf_counter(), info["generation"]))
+
+        runner.launch, runner.wait, ticks._hand_over, scheduler.schedule = timed_launch, timed_wait, timed_add, timed_schedule
+        gc.callbacks.append(on_gc)
+        self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many),
+                                 delattr(scheduler, "schedule"), gc.callbacks.remove(on_gc))  # fmt: skip
 
     def report(self, label: str) -> None:
         self._restore()
@@ -223,9 +260,12 @@ class Timeline:
                 arrived = [(a, n) for a, n in self.arrivals if started <= a < ended]
                 first = f", the first {1e3 * (arrived[0][0] - started):.1f} ms in" if arrived else ""
                 before, after = steps[i - 1], steps[i]
+                scheduling = sum(min(e, ended) - max(s, started) for s, e in self.schedules if s < ended and e > started)
+                collected = [(s, e, g) for s, e, g in self.collections if s < ended and e > started]
+                pauses = "".join(f", a generation-{g} collection of {1e3 * (e - s):.1f} ms" for s, e, g in collected)
                 print(f"  idle {1e3 * (ended - started):.1f} ms from {t(started)} s: after a {'prefill' if before[3] else 'decode'} of "
                       f"{before[4]}, before a {'prefill' if after[3] else 'decode'} of {after[4]}; {sum(n for _, n in arrived)} requests "
-                      f"arrived meanwhile{first}", flush=True)
+                      f"arrived meanwhile{first}; {1e3 * scheduling:.1f} ms in schedule(){pauses}", flush=True)
         bursts: list[list] = []  # arrivals closer than 20 ms: one turn boundary's requests
         for at, n in self.arrivals:
             if bursts and at - bursts[-1][1] < 0.02:
@@ -238,6 +278,9 @@ class Timeline:
         slow = sorted(decodes, reverse=True)[:5]
         print(f"  decode launches: {len(decodes)}, {sum(d for d, _, _ in decodes):.3f} s in all, {sum(d > 0.001 for d, _, _ in decodes)} over 1 ms; "
               f"slowest: {', '.join(f'{1e3 * d:.1f} ms at {t(at)} s ({n} seqs)' for d, at, n in slow)}", flush=True)
+        slow_gc = [(s, e, g) for s, e, g in self.collections if e - s > 0.001]
+        print(f"  garbage collections: {len(self.collections)}, {sum(e - s for s, e, _ in self.collections):.3f} s in all; over 1 ms: "
+              f"{', '.join(f'generation {g} {1e3 * (e - s):.1f} ms at {t(s)} s' for s, e, g in slow_gc) or 'none'}", flush=True)
         for launched, launch_end, done, is_prefill, num_seqs, num_tokens in steps:
             if is_prefill:
                 print(f"  prefill at {t(launched)} s: {num_seqs} seqs, {num_tokens} tokens, launch {1e3 * (launch_end - launched):.1f} ms, "
@@ -256,6 +299,11 @@ def main() -> None:
                         help="the engine's prefill overlap (EngineSettings)")
     parser.add_argument("--warm_up_turns", action=argparse.BooleanOptionalAction, default=False,
                         help="prefill each next turn's head while the tool runs (ToolsConfig)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (after one untimed run); the median is reported")
+    parser.add_argument("--max_num_batched_tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="the engine's prefill token budget (EngineSettings)")
+    parser.add_argument("--frozen_heap", action=argparse.BooleanOptionalAction, default=True, help="freeze the heap after setup, as tandem train does")
+    parser.add_argument("--switch_interval_ms", type=float, default=0.0,
+                        help="the interpreter's thread switch interval (sys.setswitchinterval; 0 = Python's 5 ms): how long the engine thread may wait for the GIL while the event loop runs")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()
@@ -267,15 +315,27 @@ def main() -> None:
     prompts = [[rng.randrange(400, SHAPES[shape]["vocab_size"]) for _ in range(128)] for _ in range(num_prompts)]
     toolbox = ToolBox([python_tool(lookup)], timeout_s=5)
     mt = MultiTurn(env=BenchEnv(toolbox), chat=ChatFormat(tokenizer, toolbox.schemas), max_turns=NUM_TURNS, max_total_tokens=2048, warm_up=args.warm_up_turns)
-    engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps, overlap_prefills=args.overlap_prefills), model=model, tokenizer=tokenizer)
-    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50, "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills, "warm_up_turns": args.warm_up_turns}
+    engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps,
+                                 overlap_prefills=args.overlap_prefills, max_num_batched_tokens=args.max_num_batched_tokens), model=model, tokenizer=tokenizer)
+    config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50,
+              "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills, "warm_up_turns": args.warm_up_turns,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "frozen_heap": args.frozen_heap, "switch_interval_ms": args.switch_interval_ms}  # fmt: skip
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    with frozen_heap() if args.frozen_heap else contextlib.nullcontext():
+        single, multi, naive = run_modes(args, engine, prompts, group_size, turn_tokens, mt, tokenizer, config)
+    asyncio.run(engine.close())
+    kept = multi["tokens_per_s"] / single["tokens_per_s"]
+    print(f"multiturn / single_turn tokens/s: {kept:.2f} (required >= 0.70: {'met' if kept >= 0.7 else 'NOT met'}; multiturn runs {multi['runs_s']} s, "
+          f"single_turn {single['runs_s']} s)")
+    print(f"multiturn / turn_at_a_time tokens/s: {multi['tokens_per_s'] / naive['tokens_per_s']:.2f}")
 
-    def part(small: bool) -> list[list[int]]:
-        return prompts[:2] if small else prompts
 
-    single = timed("single_turn", engine, lambda small: run_single_turn(engine, part(small), group_size, turn_tokens), config)
-    multi = timed("multiturn", engine, lambda small: run_multiturn(engine, part(small), group_size, turn_tokens, mt, tokenizer), config)
-    naive = timed("turn_at_a_time", engine, lambda small: run_turn_at_a_time(engine, part(small), group_size, turn_tokens, mt), config)
+def run_modes(args, engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int, mt: MultiTurn, tokenizer, config: dict) -> tuple[dict, dict, dict]:
+    """The three timed modes (their rows), then the --timeline and --profile runs."""
+    single = timed("single_turn", engine, lambda: run_single_turn(engine, prompts, group_size, turn_tokens), config, args.repeats)
+    multi = timed("multiturn", engine, lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), config, args.repeats)
+    naive = timed("turn_at_a_time", engine, lambda: run_turn_at_a_time(engine, prompts, group_size, turn_tokens, mt), config, args.repeats)
     if args.timeline:
         for label, make in (("single_turn", lambda: run_single_turn(engine, prompts, group_size, turn_tokens)),
                             ("multiturn", lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer))):  # fmt: skip
@@ -285,10 +345,7 @@ def main() -> None:
             timeline.report(label)
     if args.profile:
         profile(lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), args.device)
-    asyncio.run(engine.close())
-    kept = multi["tokens_per_s"] / single["tokens_per_s"]
-    print(f"multiturn / single_turn tokens/s: {kept:.2f} (required >= 0.70: {'met' if kept >= 0.7 else 'NOT met'})")
-    print(f"multiturn / turn_at_a_time tokens/s: {multi['tokens_per_s'] / naive['tokens_per_s']:.2f}")
+    return single, multi, naive
 
 
 if __name__ == "__main__":

@@ -176,7 +176,8 @@ def timed(label: str, engine: Engine, make, config: dict, repeats: int) -> dict:
 
 
 def profile(make, device: str) -> None:
-    """One untimed multiturn run under torch.profiler; prints the kernels that took the most device time."""
+    """One untimed multiturn run under torch.profiler; prints the kernels that took the most device time,
+    then the ops that took the most host time (a prefill's launch: its inputs and the eager forward)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -187,8 +188,8 @@ def profile(make, device: str) -> None:
         config = {}
     with profiler(activities=activities, **config) as prof:
         asyncio.run(make())
-    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+    for sort in ("self_device_time_total", "self_cpu_time_total") if device == "cuda" else ("self_cpu_time_total",):
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
 
 
 class Timeline:

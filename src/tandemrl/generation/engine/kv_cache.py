@@ -56,35 +56,60 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_blocks_for(seq.num_tokens) <= len(self.free)
 
-    def allocate(self, seq: Sequence, *, allow_full_hit: bool = False) -> None:
-        """Gives `seq` a block table, reusing cached full blocks of its prefix.
+    def block_hashes(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
+        """(hash, tokens) of each block of `seq`'s context: a full block's hash covers every token up to
+        its end; a last, partial block's is -1."""
+        size, parent, hashes = self.block_size, 0, []
+        for i in range(self.num_blocks_for(seq.num_tokens)):
+            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent = hash((parent, chunk)) if len(chunk) == size else -1
+            hashes.append((parent, chunk))
+        return hashes
+
+    def num_cached_tokens(self, seq: Sequence, hashes: list[tuple[int, tuple[int, ...]]], *, allow_full_hit: bool = False) -> int:
+        """The tokens of `seq` that `allocate(seq, hashes=hashes)` would find cached now (it changes nothing):
+        what a prefill step need not compute. Example: block_size 4, the blocks of tokens 0..7 cached,
+        seq 0..9 -> 8."""
+        cached = 0
+        for i, (block_hash, chunk) in enumerate(hashes):
+            if not self._hit(i, block_hash, chunk, len(hashes) if allow_full_hit else len(hashes) - 1):
+                if not allow_full_hit and (block_id := self._partial(hashes[i - 1][0] if i else 0, chunk)) != -1:
+                    cached += len(self.blocks[block_id].token_ids)
+                return cached
+            cached += self.block_size
+        return cached
+
+    def _hit(self, i: int, block_hash: int, chunk: tuple[int, ...], full_hit_limit: int) -> bool:
+        """Whether block i of a context (`block_hash`, `chunk`) is cached, reusable as it is."""
+        block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
+        return i < full_hit_limit and block_id != -1 and self.blocks[block_id].token_ids == chunk
+
+    def allocate(self, seq: Sequence, *, allow_full_hit: bool = False, hashes: list[tuple[int, tuple[int, ...]]] | None = None) -> None:
+        """Gives `seq` a block table, reusing cached full blocks of its prefix (`hashes`: its
+        block_hashes, when the caller has them).
 
         Unless `allow_full_hit` (a follower whose leader computes the last position's logits in the same
         step), at least the last block is computed, so a sequence never writes into a shared block.
         """
         assert not seq.block_table
         seq.cache_epoch = self.epoch
-        size, parent, miss = self.block_size, 0, False
-        num_blocks = self.num_blocks_for(seq.num_tokens)
-        hashes = []
-        for i in range(num_blocks):
-            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
-            parent = hash((parent, chunk)) if len(chunk) == size else -1
-            hashes.append((parent, chunk))
-        full_hit_limit = num_blocks if allow_full_hit else num_blocks - 1
+        hashes = self.block_hashes(seq) if hashes is None else hashes
+        full_hit_limit = len(hashes) if allow_full_hit else len(hashes) - 1
+        miss = False
         for i, (block_hash, chunk) in enumerate(hashes):
-            block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
-            if miss or i >= full_hit_limit or block_id == -1 or self.blocks[block_id].token_ids != chunk:
+            if miss or not self._hit(i, block_hash, chunk, full_hit_limit):
                 # the first block computed may start with a written head; a follower copies its leader's block
-                block_id = -1 if miss or allow_full_hit else self._take_partial(hashes[i - 1][0] if i else 0, chunk)
+                block_id = -1 if miss or allow_full_hit else self._partial(hashes[i - 1][0] if i else 0, chunk)
                 miss = True
                 if block_id == -1:
                     block_id = self.take_fresh()
                 else:
+                    self._take(block_id)
                     seq.num_cached_tokens += len(self.blocks[block_id].token_ids)
                     self._forget(block_id)  # its tail is written now: no longer what its key says
             else:
-                seq.num_cached_tokens += size
+                block_id = self.hash_to_block[block_hash]
+                seq.num_cached_tokens += self.block_size
                 block_id = self._take(block_id) if block_id in self.free else self._share(block_id)
             if block_hash != -1:
                 block = self.blocks[block_id]
@@ -92,16 +117,16 @@ class BlockManager:
                 self.hash_to_block[block_hash] = block_id
             seq.block_table.append(block_id)
 
-    def _take_partial(self, parent: int, chunk: tuple[int, ...]) -> int:
-        """A free block whose written head starts `chunk` (after the blocks hashed `parent`), taken; -1 if
-        none. At least one position of `chunk` stays to compute (the last token's logits come from it)."""
+    def _partial(self, parent: int, chunk: tuple[int, ...]) -> int:
+        """A free block whose written head starts `chunk` (after the blocks hashed `parent`); -1 if none.
+        At least one position of `chunk` stays to compute (the last token's logits come from it)."""
         block_id = self.hash_to_block.get(hash((parent, PARTIAL)), -1)
         if block_id == -1 or block_id not in self.free:
             return -1
         head = self.blocks[block_id].token_ids
         if len(head) >= len(chunk) or chunk[: len(head)] != head:
             return -1
-        return self._take(block_id)
+        return block_id
 
     def _take(self, block_id: int) -> int:
         del self.free[block_id]

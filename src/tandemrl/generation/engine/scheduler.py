@@ -1,6 +1,7 @@
 """Token-level batching: which sequences run this step, and what happens to them after it.
 
-A step is either a prefill (admit waiting sequences while blocks and the token budget allow) or a
+A step is either a prefill (admit waiting sequences while blocks and the token budget allow; the budget
+counts the tokens the step computes, so a next turn whose earlier turns are cached costs its new tokens) or a
 decode (one token for every running sequence; when blocks run out the newest running sequence is
 preempted: its blocks are freed and it waits to re-prefill prompt + sampled tokens, which gives the
 same tokens as an unpreempted run, because sampling noise depends on (seed, position) alone).
@@ -106,11 +107,12 @@ class Scheduler:
                 break
             key = tuple(seq.token_ids)
             leader = leaders.get(key)
-            cost = 0 if leader else seq.num_tokens
+            hashes = None if leader else self.blocks.block_hashes(seq)
+            cost = 0 if leader else seq.num_tokens - self.blocks.num_cached_tokens(seq, hashes)  # what it computes: a cached prefix is free
             if num_tokens + cost > self.max_num_batched_tokens or not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, allow_full_hit=leader is not None)
+            self.blocks.allocate(seq, allow_full_hit=leader is not None, hashes=hashes)
             if leader is None:
                 leaders[key] = seq
                 leader_rows[seq.seq_id] = len(leader_rows)

@@ -1,14 +1,34 @@
-"""Block bookkeeping: prefix hits by block hash, reference counts, never writing into a shared block."""
+"""Block bookkeeping: prefix hits by block hash, reference counts, never writing into a shared block;
+what a prefill step admits when earlier turns are cached (its token budget counts computed tokens)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tandemrl.generation.engine.kv_cache import NULL_BLOCK, BlockManager
+from tandemrl.generation.engine.scheduler import Scheduler
 from tandemrl.generation.engine.sequence import Sequence
 from tandemrl.types import SamplingParams
 
 
 def seq(token_ids: list[int]) -> Sequence:
     return Sequence(list(token_ids), SamplingParams(), seed=0, stop_ids=frozenset())
+
+
+@pytest.fixture(autouse=True)
+def probe_equals_allocate(monkeypatch):
+    """Every allocate in these tests first checks that num_cached_tokens (the scheduler's read-only probe)
+    foretells what allocate finds cached, and that the probe changed nothing."""
+    allocate = BlockManager.allocate
+
+    def checked(self, seq, *, allow_full_hit=False, hashes=None):
+        state = (dict(self.hash_to_block), list(self.free), [(b.ref_count, b.hash, b.token_ids) for b in self.blocks])
+        foretold = self.num_cached_tokens(seq, self.block_hashes(seq), allow_full_hit=allow_full_hit)
+        assert state == (dict(self.hash_to_block), list(self.free), [(b.ref_count, b.hash, b.token_ids) for b in self.blocks])
+        allocate(self, seq, allow_full_hit=allow_full_hit, hashes=hashes)
+        assert seq.num_cached_tokens == foretold
+
+    monkeypatch.setattr(BlockManager, "allocate", checked)
 
 
 def test_full_prompt_blocks_are_shared_and_the_last_block_is_recomputed():
@@ -141,3 +161,14 @@ def test_a_sequence_that_lived_across_a_reset_hashes_nothing():
         blocks.may_append(turn)
     blocks.deallocate(turn)
     assert not blocks.hash_to_block
+
+
+def test_a_prefill_budget_counts_the_tokens_computed_not_the_cached_prefix():
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=24)
+    turns = [decoded_turn(blocks, [10 * i + t for t in range(8)], 5) for i in range(4)]  # 13 tokens each, 12 written
+    for turn in turns:  # next turns: 13 + 3 tokens, of which 12 cached: 4 to compute each
+        scheduler.add(seq(turn.token_ids + [7, 7, 7]))
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [4, 4, 4, 4]  # one step computes 16; counted whole (16 each), the fourth would not fit
+    assert [s.num_cached_tokens for s in batch.seqs] == [12] * 4

@@ -9,8 +9,9 @@ publishes through (DistributedSync), from the first byte to every server's answe
     python bench/sync.py --device cpu --transport ipc --shapes tiny28 --server_args ""    # IPC's protocol on CPU (a shared file)
 
 Prints one JSON line per sync (with the trainer's phases in ms: a full update's hello, plan, meta,
-payload, end; a staged CUDA IPC update's plan, payload, end (its mark) and live, the whole push until
-every server made it live), then one per shape: warm median seconds, GB/s, the bar of issue 13 (NCCL >= 150 GB/s on two
+payload, end; a staged CUDA IPC update's plan, pack (copies queued), payload (until the device ran them),
+answer (from the announcement on the staged-update channel to every server's answer) and live, the whole
+push until every server made it live; the server's log splits its side: unpack, apply), then one per shape: warm median seconds, GB/s, the bar of issue 13 (NCCL >= 150 GB/s on two
 H200s, CUDA IPC >= 300 GB/s; none for gloo) and the ratio to it, the trainer's own send time, whether the server's greedy tokens equal the trainer's after the last sync, and whether
 they equal those of a fresh server loaded from disk with the trainer's final weights (same engine: must).
 """

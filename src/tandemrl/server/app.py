@@ -160,7 +160,7 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
             raise HTTPException(409, f"not in weight-sync group {body.group_id} (in {current}); POST /weights/init first")
         try:  # the trainer hanging up (its process killed) ends the receive at once, even one stuck in NCCL
             num_tensors, num_bytes, seconds = await service.update_weights(
-                version=body.version, mode=body.mode, hangup=disconnected(request), staged=body.staged
+                version=body.version, mode=body.mode, hangup=disconnected(request)
             )
         except (RuntimeError, OSError) as error:
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None

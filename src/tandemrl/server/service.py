@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,6 +26,7 @@ from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.threads import in_daemon_thread
 from tandemrl.types import Completion, SamplingParams
+from tandemrl.weights import channel
 from tandemrl.weights.group import NotStaged, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class RolloutService:
         self._update_lock = asyncio.Lock()
         self.metrics = ServerMetrics(self)
         self._num_in_flight = 0  # generations started and not finished, admitted or not (async ones included)
+        self._channel_tasks: set[asyncio.Task] = set()  # serve_staged_updates of each group's channel (kept from collection)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -233,6 +237,10 @@ class RolloutService:
                     "(the peer is silent or gone)"
                 ) from None
             self.receiver.adopt(spec["group_id"], group)
+            if group.staged_channel is not None:  # served until the trainer closes it or this group is dropped
+                task = asyncio.create_task(self.serve_staged_updates(spec["group_id"], group.staged_channel))
+                self._channel_tasks.add(task)
+                task.add_done_callback(self._channel_tasks.discard)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
 
     async def update_weights(self, *, version: int, mode: str, hangup: Awaitable[Any] | None = None, staged: str = "") -> tuple[int, int, float]:
@@ -240,8 +248,8 @@ class RolloutService:
 
         On a failed transfer the staging is dropped, the previous version stays live, and the error is raised.
         `hangup` completes when the trainer that announced the update hangs up (its process died): the
-        receive is then given up at once. `staged` (CUDA IPC): the update is already in the staging buffer,
-        laid out as the last one (this digest); NotStaged (a ValueError) when it is not.
+        receive is then given up at once. `staged` (CUDA IPC, announced on the group's channel): the update is
+        already in the staging buffer, laid out as the last one (this digest); NotStaged (a ValueError) when not.
         """
         assert self.receiver is not None
         async with self._update_lock:
@@ -249,7 +257,7 @@ class RolloutService:
             start = time.perf_counter()
             try:
                 try:
-                    staging = await self._receive(hangup, functools.partial(self.receiver.receive_staged, staged) if staged else self.receiver.receive)
+                    staging = self.receiver.take_staged(staged) if staged else await self._receive(hangup, self.receiver.receive)
                 except NotStaged:
                     raise
                 except Exception as error:
@@ -270,6 +278,33 @@ class RolloutService:
             log.info("policy version %d live (%d tensors, %.1f MB, %.4f s: receive %.1f ms [%s], apply %.1f ms; %s)", version, len(staging),
                      num_bytes / 2**20, seconds, (received - start) * 1e3, phases, (time.perf_counter() - received) * 1e3, mode)  # fmt: skip
             return len(staging), num_bytes, seconds
+
+    async def serve_staged_updates(self, group_id: str, conn: socket.socket) -> None:
+        """Serves group `group_id`'s staged-update channel (CUDA IPC, weights/channel.py) until the trainer
+        closes it or the group is dropped: each announcement makes its version live through update_weights,
+        as a full update's request does, and is answered on the channel."""
+        reader, writer = await asyncio.open_connection(sock=conn)
+        try:
+            while line := await reader.readline():
+                writer.write(channel.encode(await self._staged_update(group_id, json.loads(line))))
+                await writer.drain()
+        except (ConnectionError, ValueError) as error:
+            log.warning("the staged-update channel of weight-sync group %s failed: %s", group_id, error)
+        finally:
+            writer.close()
+
+    async def _staged_update(self, group_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """The answer to one staged update's announcement: the live version, or why it is not live."""
+        version, mode = request["version"], request["mode"]
+        if self.receiver is None or self.receiver.group_id != group_id:
+            return {"not_staged": True, "error": f"not in weight-sync group {group_id}"}
+        try:
+            num_tensors, num_bytes, seconds = await self.update_weights(version=version, mode=mode, staged=request["layout"])
+        except NotStaged as error:
+            return {"not_staged": True, "error": str(error)}
+        except (RuntimeError, OSError, ValueError) as error:
+            return {"error": f"weight sync to version {version} failed: {error}; kept version {self.generator.version}"}
+        return {"policy_version": self.generator.version, "num_tensors": num_tensors, "num_bytes": num_bytes, "seconds": seconds}
 
     async def _receive(self, hangup: Awaitable[Any] | None, receive: Callable[[], list]) -> list:
         """The update's tensors, received (`receive`) in a daemon thread. Given up (the group closed, which aborts its

@@ -190,6 +190,9 @@ class WeightGroupRequest(BaseModel):
     transport: Literal["gloo", "nccl", "ipc"]
     group_id: str = Field(max_length=64)
     timeout_s: float = Field(gt=0, le=3600)
+    channel_port: int = Field(default=0, ge=0, le=65535)
+    """CUDA IPC with staged updates: the trainer's port (at master_addr) for this server's staged-update
+    channel, where staged updates are announced and answered (weights/channel.py); 0: none."""
 
 
 class WeightUpdateRequest(BaseModel):
@@ -200,9 +203,6 @@ class WeightUpdateRequest(BaseModel):
     version: int = Field(ge=0)
     mode: Literal["drain", "pause"] = "drain"
     group_id: str = Field(max_length=64)
-    staged: str = Field(default="", max_length=64)
-    """CUDA IPC: the trainer already wrote the update into this server's staging buffer, laid out as the
-    last update received (this digest); nothing travels over the group."""
 
 
 class WeightUpdateResponse(BaseModel):

@@ -7,8 +7,9 @@ carries the HTTP calls that tell the servers to join a group and to receive an u
 
 Invariant: a publish either makes `version` live on every server or raises one error naming the
 version; after a failure the group is dropped and the next publish forms a new one. With CUDA IPC an
-update laid out as the last one is staged (group.py); one that a server does not take so (it restarted,
-left the group, or the layout changed) goes in full, in a group formed again.
+update laid out as the last one is staged (group.py) and announced on a channel of its own (channel.py),
+not over HTTP; one laid out otherwise goes in full, and one a server does not take staged (it restarted or
+left the group) goes in full in a group formed again.
 """
 
 from __future__ import annotations
@@ -97,16 +98,18 @@ class DistributedSync:
         log.info("weight-sync group %s formed with %d server(s) over %s", self.sender.group_id, len(self.client.urls), transport)
 
     async def _push_staged(self, weights: Iterable[tuple[str, Tensor]], version: int) -> Iterable[tuple[str, Tensor]] | None:
-        """CUDA IPC, when the last update left the servers' buffers mapped: the update staged (announced,
-        written while the announcement travels, marked); None once live. Otherwise the weights to send in
-        full (none lost), in a group formed again when the servers did not take it staged."""
-        layout = self.sender.staged_layout
-        if layout is None:
+        """CUDA IPC, when the last update left the servers' buffers mapped: the update staged (written into
+        them, then announced on each server's channel; no HTTP request, no collective); None once live.
+        Otherwise the weights to send in full (none lost): in this group when they are laid out otherwise
+        (the servers heard nothing), in a group formed again when a server did not take them staged."""
+        if self.sender.staged_layout is None:
             return weights
         weights = list(weights)  # kept for the full send if it is refused (a staged layout is one window: <= 16 buckets)
         start = time.perf_counter()
+        if not self.sender.write_staged(weights):
+            return weights
         try:
-            await self._push(weights, version, staged=layout)
+            await self.sender.announce_staged(version=version, mode=self.config.update_mode)
         except Exception as error:  # noqa: BLE001 - any refusal: the full path says what is wrong, in a new group
             log.info("version %d was not taken staged (%s); sending it in full in a new group", version, error)
             self.sender.close_group()
@@ -115,15 +118,13 @@ class DistributedSync:
         self.sender.phases["live"] = time.perf_counter() - start
         return None
 
-    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int, staged: str = "") -> None:
-        """Sends every window (or, `staged`, writes and marks the staged update) while each server receives,
-        then waits for each to make `version` live. A server that fails (its answer an error, or its
-        connection gone) stops the send at once."""
-        body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id, **({"staged": staged} if staged else {})}
+    async def _push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Sends every window while each server receives, then waits for each to make `version` live. A
+        server that fails (its answer an error, or its connection gone) stops the send at once."""
+        body = {"version": version, "mode": self.config.update_mode, "group_id": self.sender.group_id}
         updates = asyncio.ensure_future(self.client.announce_update(body, timeout_s=self.config.weight_sync_timeout_s))
         cancel = threading.Event()
-        call = self.sender.send_staged if staged else self.sender.send
-        send = in_daemon_thread(functools.partial(call, weights, cancel=cancel), name="weight-sync-send")
+        send = in_daemon_thread(functools.partial(self.sender.send, weights, cancel=cancel), name="weight-sync-send")
         try:
             await asyncio.wait({send, updates}, return_when=asyncio.FIRST_EXCEPTION)
             if updates.done() and updates.exception() is not None:

@@ -8,12 +8,13 @@ buckets); then nccl/gloo: one broadcast per bucket, the trainer packing bucket k
 the wire (two buffers); ipc: the servers' buffer handles gathered, the trainer writes the window into
 each; then the end mark (gloo). An update is windows until one marked last.
 
-CUDA IPC, an update laid out as the last one (one window) is staged: announced with the layout's digest,
-it is written into the servers' staging buffers mapped at that update (`WeightSender.send_staged`) while
-the announcement travels, then marked written by one gloo broadcast, the only collective; each server
-makes its staging live (`WeightReceiver.receive_staged`), and before it answers that the version is live
-its copies out of the buffer have run (`settle`), so the trainer may write the next update into it. A
-trainer that dies while writing never marks it: the server keeps its version, as after any failed receive.
+CUDA IPC, an update laid out as the last one (one window) is staged, with no collective: the trainer
+writes it into the servers' staging buffers mapped at that update (`WeightSender.write_staged`), then
+announces it on each server's staged-update channel (channel.py: version, mode, the layout's digest;
+`announce_staged`); each server makes its staging live (`WeightReceiver.take_staged`), and before it
+answers on the channel that the version is live its copies out of the buffer have run (`settle`), so the
+trainer may write the next update into it. A trainer that dies while writing never announces it: the
+server keeps its version.
 
 Invariants: every collective has a deadline (--weight_sync_timeout_s of no progress), and no thread
 ever blocks inside an NCCL wait: completion is polled, so a dead peer is an error within the deadline
@@ -37,6 +38,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from tandemrl.weights import ipc
+from tandemrl.weights import channel, ipc
 from tandemrl.weights.base import DistributedSyncConfig
 from tandemrl.weights.buckets import Named, Planner, Window, pack, unpack
 
@@ -60,9 +62,6 @@ POLL_S = 5e-5  # between completion checks of a collective in flight
 META_HEAD_BYTES = 64 * 1024  # the first metadata broadcast's fixed size (a 1.5B model's metadata is ~35 KB)
 HANDLE_BYTES = 4096  # a server's CUDA IPC handle, JSON, padded
 WINDOW_BUCKETS = 16  # a window spans at most this many buckets' bytes: what the trainer holds of a lazy producer
-
-
-WRITTEN, NOT_WRITTEN = 1, 2  # a staged update's mark
 
 
 class NotStaged(ValueError):
@@ -119,6 +118,8 @@ class Phases:
 
 class _Group:
     """A gloo control group and the payload group (the same one unless NCCL) of one group id."""
+
+    staged_channel: socket.socket | None = None  # a server's end of its channel (channel.py), set by connect; its server closes it
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, transport: str, timeout_s: float, device: torch.device):
         self.transport = transport
@@ -199,15 +200,10 @@ class _Group:
             data += rest.numpy().tobytes()
         return data
 
-    def end_mark(self, value: int = 0) -> dist.Work:
+    def end_mark(self) -> dist.Work:
         """The window's end mark (gloo): the trainer posts it once its payload is out, a server before
         receiving, so that a dead trainer fails it at once."""
-        return self.mark(value)[0]
-
-    def mark(self, value: int = 0) -> tuple[dist.Work, Tensor]:
-        """A one-number broadcast from the trainer (gloo): the work, and the tensor `value` arrives in."""
-        tensor = torch.tensor([value], dtype=torch.int64)
-        return self.broadcast(tensor, group=self.control), tensor
+        return self.broadcast(torch.zeros(1, dtype=torch.int64), group=self.control)
 
     def gather_handles(self, handle: dict[str, Any] | None) -> list[dict[str, Any]]:
         """Every server's IPC handle (the trainer gives None)."""
@@ -223,6 +219,9 @@ class _Group:
         """Aborts (NCCL) and releases the process groups in a daemon thread, returned: only a process about
         to exit waits for it (torch's threads must be joined before the interpreter tears down)."""
         self.closed.set()
+        if self.staged_channel is not None:
+            with contextlib.suppress(OSError):  # shut down, not closed: the server's event loop owns the socket
+                self.staged_channel.shutdown(socket.SHUT_RDWR)
         groups = [g for g in dict.fromkeys([self.payload, self.control]) if g is not None]
         self.payload = self.control = None
         thread = threading.Thread(target=_release, args=(groups, self.transport == "nccl"), name="weight-sync-release", daemon=True)
@@ -233,6 +232,15 @@ class _Group:
 def digest(window: Window) -> str:
     """A window's layout (its metadata message), in a few bytes."""
     return hashlib.sha1(window.encode()).hexdigest()
+
+
+def _record(flat: Tensor) -> torch.cuda.Event | None:
+    """An event after this thread's stream's work so far (the copies into `flat`); None on CPU."""
+    if not flat.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(flat.device))
+    return event
 
 
 def _settle(flat: Tensor) -> None:
@@ -266,6 +274,10 @@ class WeightSender:
         self._mapped: dict[str, Tensor] = {}  # servers' IPC buffers opened in this process, by handle
         self._staged: tuple[Window, str, list[Tensor]] | None = None  # IPC: the last update's window, digest, servers' buffers
         self._releasing: list[threading.Thread] = []  # groups being torn down (close() waits for them)
+        self._listener: socket.socket | None = None  # IPC with reuse: where the planned group's servers open their channels
+        self._channels: list[socket.socket] = []  # IPC with reuse: each server's staged-update channel (channel.py), rank order
+        self._clock: Phases | None = None  # the staged update in progress: its phases so far
+        self._written: torch.cuda.Event | None = None  # the staged update in progress: recorded after its copies (CUDA)
 
     def plan(self, *, num_servers: int, transport: str, master_addr: str) -> list[dict[str, Any]]:
         """Starts a new group; returns what each server must be told to join it (ranks 1..N)."""
@@ -274,6 +286,8 @@ class WeightSender:
             self._store = dist.TCPStore(master_addr, self.config.weight_sync_port, None, True, timeout, wait_for_workers=False)
         self.close_group()
         self.group_id, self._world_size, self._transport = uuid.uuid4().hex[:12], num_servers + 1, transport
+        if transport == "ipc" and self.config.weight_sync_ipc_reuse:
+            self._listener = channel.listen(master_addr)
         return [
             dict(
                 master_addr=master_addr,
@@ -283,6 +297,7 @@ class WeightSender:
                 transport=transport,
                 group_id=self.group_id,
                 timeout_s=self.config.weight_sync_timeout_s,
+                channel_port=self._listener.getsockname()[1] if self._listener is not None else 0,
             )
             for rank in range(1, num_servers + 1)
         ]
@@ -294,6 +309,10 @@ class WeightSender:
         self._group = _Group(
             store, rank=0, world_size=self._world_size, transport=self._transport, timeout_s=self.config.weight_sync_timeout_s, device=device
         )
+        if self._listener is not None:
+            self._channels = channel.accept(
+                self._listener, group_id=self.group_id, num_servers=self._world_size - 1, timeout_s=self.config.weight_sync_timeout_s
+            )
 
     def send(self, weights: Iterable[tuple[str, Tensor]], *, cancel: threading.Event | None = None) -> tuple[int, int]:
         """Pushes every tensor, window by window; setting `cancel` (from another thread) makes it raise
@@ -321,7 +340,7 @@ class WeightSender:
             group.finish([group.end_mark()], cancel=cancel)
             clock.lap("end")
             num_tensors, num_bytes = num_tensors + len(tensors), num_bytes + window.num_bytes
-        if len(written) == 1 and self.config.weight_sync_ipc_reuse:  # the planner keeps a one-window layout
+        if len(written) == 1 and self._channels:  # the planner keeps a one-window layout
             self._staged = (written[0][0], digest(written[0][0]), written[0][1])
         self.phases = clock.seconds
         return num_tensors, num_bytes
@@ -329,29 +348,45 @@ class WeightSender:
     @property
     def staged_layout(self) -> str | None:
         """CUDA IPC: the digest of the last update's layout when its servers' buffers are mapped here, so an
-        update laid out alike may be staged (`send_staged`); None otherwise."""
+        update laid out alike may be staged (`write_staged`, `announce_staged`); None otherwise."""
         return self._staged[1] if self._staged is not None else None
 
-    def send_staged(self, weights: Iterable[tuple[str, Tensor]], *, cancel: threading.Event | None = None) -> bool:
-        """The trainer's side of a staged update (announced with `staged_layout`): writes it into every
-        server's staging buffer, then marks it written. Returns False, having marked it not written, when
-        the weights are not laid out as the last update (the servers refuse it; send it in full)."""
-        group, staged = self._group, self._staged
-        assert group is not None and staged is not None and self._planner is not None, "send_staged() without a staged layout"
+    def write_staged(self, weights: Iterable[tuple[str, Tensor]]) -> bool:
+        """The first half of a staged update: writes it into every server's staging buffer (the copies
+        queued, not waited for: `announce_staged` does). False, nothing written, when the weights are not
+        laid out as the last update: the servers hear nothing, and the caller sends it in full."""
+        staged = self._staged
+        assert staged is not None and self._planner is not None and self._channels, "write_staged() without a staged layout"
         window, _, buffers = staged
-        clock = Phases()
+        self._clock = clock = Phases()
         matched, _ = self._planner.match(weights)
         clock.lap("plan")
-        written = matched is not None and matched[0] is window
-        if written:
-            for flat in buffers:
-                pack(window, matched[1], flat)
-            _settle(buffers[0])  # written before the mark tells the servers so
+        if matched is None or matched[0] is not window:
+            return False
+        for flat in buffers:
+            pack(window, matched[1], flat)
+        self._written = _record(buffers[0])
+        clock.lap("pack")
+        return True
+
+    async def announce_staged(self, *, version: int, mode: str) -> None:
+        """The second half: once the device ran the copies, tells every server over its channel that
+        `version` (laid out as `staged_layout`) is in its buffer, and returns once each answers that it is
+        live. NotStaged when a server cannot take it staged (send it in full, in a group formed again);
+        ConnectionError/TimeoutError when one died or stalled (it keeps its version)."""
+        staged, clock = self._staged, self._clock
+        assert staged is not None and clock is not None, "announce_staged() before write_staged()"
+        await channel.written(self._written, timeout_s=self.config.weight_sync_timeout_s)
         clock.lap("payload")
-        group.finish([group.mark(WRITTEN if written else NOT_WRITTEN)[0]], cancel=cancel)
-        clock.lap("end")
+        message = {"version": version, "mode": mode, "layout": staged[1]}
+        answers = await channel.exchange(self._channels, message, timeout_s=self.config.weight_sync_timeout_s)
+        clock.lap("answer")
         self.phases = clock.seconds
-        return written
+        refused = [a["error"] for a in answers if "error" in a]
+        if any(a.get("not_staged") for a in answers):
+            raise NotStaged("; ".join(refused))
+        if refused:
+            raise RuntimeError("; ".join(refused))
 
     def _broadcast_buckets(self, group: _Group, window: Window, tensors: list[Tensor], cancel: threading.Event | None) -> None:
         """One broadcast per bucket; bucket k+1 is packed into the other buffer while bucket k travels."""
@@ -389,9 +424,12 @@ class WeightSender:
         if self._group is not None:
             self._releasing.append(self._group.close())
         self._group, self.group_id = None, None
+        for conn in [*self._channels, *([self._listener] if self._listener is not None else [])]:
+            conn.close()  # a server waiting on its channel sees its end: it leaves nothing behind
+        self._channels, self._listener = [], None
         self._mapped.clear()
         self._planner = None  # its windows hold views into the mapped buffers
-        self._staged = None
+        self._staged = self._clock = self._written = None
 
     def close(self, wait_s: float = 10.0) -> None:
         """Drops the group and the store; waits up to `wait_s` for groups still being torn down."""
@@ -428,9 +466,14 @@ class WeightReceiver:
         timeout = timedelta(seconds=spec["timeout_s"])
         client = dist.TCPStore(spec["master_addr"], spec["master_port"], None, False, timeout)
         store = dist.PrefixStore(f"tandem/{spec['group_id']}", client)
-        return _Group(
+        group = _Group(
             store, rank=spec["rank"], world_size=spec["world_size"], transport=spec["transport"], timeout_s=spec["timeout_s"], device=self.device
         )
+        if spec.get("channel_port"):
+            group.staged_channel = channel.connect(
+                spec["master_addr"], spec["channel_port"], group_id=spec["group_id"], rank=spec["rank"], timeout_s=spec["timeout_s"]
+            )
+        return group
 
     def adopt(self, group_id: str, group: _Group) -> None:
         if any(handle is not None for _, handle in self._buffers):  # a trainer of an earlier group may still write them
@@ -482,30 +525,24 @@ class WeightReceiver:
         self.phases = clock.seconds
         return staging
 
-    def receive_staged(self, layout: str) -> Named:
-        """A staged update (CUDA IPC, `WeightSender.send_staged`): once the trainer marks it written, the
-        tensors in this server's staging buffer, laid out as the last update received whole in this group
-        (`layout`: its digest). NotStaged when it is not (the trainer's weights are laid out otherwise, or this
-        server has no such layout): the trainer then sends it in full, in a group formed again. A failed
-        mark (the trainer died, or stalled past the timeout) drops the group, as a failed receive does."""
-        group = self._group
-        assert group is not None, "receive_staged() outside a group"
-        group.progress_at = time.monotonic()
-        clock = Phases()
-        try:
-            work, mark = group.mark()
-            group.finish([work])
-        except BaseException:
-            self._drop(group)
-            raise
-        clock.lap("mark")
+    def take_staged(self, layout: str) -> Named:
+        """A staged update (CUDA IPC; the trainer announced it on the channel once written): the tensors in
+        this server's staging buffer, laid out as the last update received whole in this group (`layout`: its
+        digest). NotStaged when it is not (this server has no such layout: it joined another group since, or
+        restarted): the trainer then sends it in full, in a group formed again. No collective, no wait."""
         window = self._window
-        if int(mark) != WRITTEN or self._staged is None or layout != self._staged or window is None:
-            raise NotStaged(f"no staged update laid out as {layout[:12]} here (trainer's mark {int(mark)}); send it in full")
+        if self._group is None or self._staged is None or layout != self._staged or window is None:
+            raise NotStaged(f"no staged update laid out as {layout[:12]} here; send it in full")
+        clock = Phases()
         staging = unpack(window, self._buffers[0][0][: window.num_bytes])
         clock.lap("unpack")
         self.phases = clock.seconds
         return staging
+
+    @property
+    def staged_channel(self) -> socket.socket | None:
+        """This group's staged-update channel (CUDA IPC with reuse), for the server to serve; None otherwise."""
+        return self._group.staged_channel if self._group is not None else None
 
     def settle(self) -> None:
         """After an update was applied: with CUDA IPC, returns once the copies out of the staging buffer

@@ -1,16 +1,17 @@
 """Weight sync by CUDA IPC: the trainer (this process) and a real `tandem rollout` share one GPU, and the
 trainer writes each update straight into the server's staging buffer (reused across updates, so later
 updates go through buffers mapped by the first). With reuse off every update goes through the group; on
-(the default), the second and third are staged: written into the mapped buffer while announced, then
-marked by one gloo broadcast. The update lands whole, bumps the version, and the server's greedy tokens
-equal the trainer's; bytes written and never marked (a trainer dying mid-write) change nothing served, and
-a staged write into the buffer of a server that died since leaves the trainer's CUDA context working."""
+(the default), the second and third are staged: written into the mapped buffer, then announced on the
+server's staged-update channel (no HTTP request, no collective). The update lands whole, bumps the version,
+and the server's greedy tokens equal the trainer's; bytes written and never announced (a trainer dying
+mid-write) change nothing served, and a staged write into the buffer of a server that died since leaves the
+trainer's CUDA context working, its announcement failing at once (the channel closed)."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import dataclasses
-import threading
+import time
 
 import pytest
 import torch
@@ -38,18 +39,19 @@ def test_ipc_updates_make_server_greedy_equal_trainer_greedy_and_bump_the_versio
                 served = client.generate(prompt_ids, GREEDY)
                 assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
                 assert served.policy_versions == [version] * len(served.token_ids)
-            assert ("live" in publisher.sender.phases) == reuse  # staged: written while announced, one mark
+            assert ("answer" in publisher.sender.phases) == reuse  # staged: written, then announced on the channel
         _, _, buffers = publisher.sender._staged
-        buffers[0].fill_(0xFF)  # NaN everywhere, never marked
+        buffers[0].fill_(0xFF)  # NaN everywhere, never announced
         torch.cuda.synchronize()
         served = client.generate(prompt_ids, GREEDY)
         assert served.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and served.policy_versions[0] == version
         assert "(ipc)" in server.log_text()
         server.kill()  # a server dead between updates: the next staged write lands in its mapped buffer before anything fails
-        cancel = threading.Event()
-        threading.Timer(5.0, cancel.set).start()
-        with contextlib.suppress(RuntimeError, ConnectionError, OSError):  # its mark may fail or not: the peer is gone either way
-            publisher.sender.send_staged([(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()], cancel=cancel)
+        assert publisher.sender.write_staged([(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()])
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):  # the channel's far end closed with its process
+            asyncio.run(publisher.sender.announce_staged(version=version + 1, mode="drain"))
+        assert time.monotonic() - start < 5
         torch.cuda.synchronize()
         assert torch.ones(4, device="cuda:0").sum().item() == 4  # the trainer's CUDA context survived the write
     finally:

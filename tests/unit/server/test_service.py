@@ -5,6 +5,8 @@ they run; a failed transfer keeps the version and hands nothing to the generator
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
 
@@ -13,6 +15,7 @@ import torch
 
 from tandemrl.server.service import Busy, RolloutService
 from tandemrl.types import Completion, SamplingParams
+from tandemrl.weights import channel
 from tandemrl.weights.group import NotStaged
 
 PARAMS = SamplingParams(max_tokens=1)
@@ -56,7 +59,7 @@ class FakeReceiver:
     def stalled_s(self) -> float:
         return 0.0
 
-    def receive_staged(self, layout: str):
+    def take_staged(self, layout: str):
         if layout != "abc":
             raise NotStaged(f"no staged update laid out as {layout}")
         return [("w", torch.full((2,), 2.0))]
@@ -159,6 +162,34 @@ def test_a_staged_update_goes_live_without_a_receive_and_an_unknown_layout_chang
         assert gen.version == 0 and not service.update_in_progress and service.counters.weight_syncs == {"ok": 0, "failed": 0}
         assert await service.update_weights(version=1, mode="drain", staged="abc") == (1, 8, pytest.approx(0, abs=1))
         assert gen.version == 1 and receiver.settled == 1  # the buffer was read out before the answer
+
+    asyncio.run(scenario())
+
+
+def test_the_staged_update_channel_answers_each_announcement_and_a_trainer_gone_changes_nothing():
+    """CUDA IPC's channel (a real socket pair): an announcement goes live through update_weights and is
+    answered on the channel; an unknown layout or another group is refused (not staged) with the version
+    kept; the trainer closing its end (it died before announcing) ends the serving and changes nothing."""
+
+    async def scenario():
+        receiver = FakeReceiver(fail=True)
+        gen, service = make([], receiver)
+        trainer, server = socket.socketpair()
+        serving = asyncio.create_task(service.serve_staged_updates("g", server))
+        reader, writer = await asyncio.open_connection(sock=trainer)
+
+        async def announce(group_version: int, layout: str) -> dict:
+            writer.write(channel.encode({"version": group_version, "mode": "drain", "layout": layout}))
+            return json.loads(await reader.readline())
+
+        assert await announce(1, "abc") == {"policy_version": 1, "num_tensors": 1, "num_bytes": 8, "seconds": pytest.approx(0, abs=1)}
+        refused = await announce(2, "other")
+        assert refused["not_staged"] and gen.version == 1 and receiver.settled == 1
+        receiver.group_id = "h"  # the server joined another group since
+        assert (await announce(2, "abc"))["not_staged"] and gen.version == 1
+        writer.close()
+        await asyncio.wait_for(serving, 5)
+        assert gen.version == 1 and service.counters.weight_syncs == {"ok": 1, "failed": 0}
 
     asyncio.run(scenario())
 

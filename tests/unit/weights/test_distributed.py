@@ -3,6 +3,7 @@ whole update; a sender that dies mid-update makes the receiver raise with nothin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -11,9 +12,10 @@ import time
 import pytest
 import torch
 
+from tandemrl.weights import channel
 from tandemrl.weights.base import DistributedSyncConfig
 from tandemrl.weights.buckets import Planner, Window, pack, plan_windows, unpack
-from tandemrl.weights.group import WeightReceiver, WeightSender
+from tandemrl.weights.group import NotStaged, WeightReceiver, WeightSender
 
 
 def named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -106,31 +108,61 @@ def _receive_while(receiver: WeightReceiver, send, call=None):
     return out[0]
 
 
+def _answer_one(receiver: WeightReceiver, out: list) -> threading.Thread:
+    """A server's side of one staged update's announcement (service.py's, in a thread): reads it off the
+    channel, takes the staged tensors into `out` (or the refusal), answers."""
+    conn = receiver.staged_channel
+    conn.setblocking(True)
+
+    def serve() -> None:
+        line = conn.makefile("rb").readline()
+        if not line:
+            out.append(ConnectionError("channel closed"))
+            return
+        try:
+            out.append(receiver.take_staged(json.loads(line)["layout"]))
+            conn.sendall(channel.encode({"policy_version": json.loads(line)["version"]}))
+        except NotStaged as error:
+            out.append(error)
+            conn.sendall(channel.encode({"not_staged": True, "error": str(error)}))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
 def test_ipc_update_laid_out_as_the_last_is_staged_into_the_mapped_buffer_and_anything_else_goes_in_full():
     """CUDA IPC's protocol, on CPU (the staging buffer a shared file): update 1 goes through the group;
-    update 2 is written into the server's buffer and marked, the one collective, and read back from the
-    same buffer; a changed layout is marked not written and refused (NotStaged), as is an unknown digest."""
-    from tandemrl.weights.group import NotStaged
-
+    update 2 is written into the server's buffer and announced on the channel, no collective, and read back
+    from the same buffer; a changed layout is not written (nor announced), and a layout the server does not
+    have is refused (NotStaged); a trainer gone before announcing ends the server's channel, nothing taken."""
     sender, receiver = _pair(transport="ipc")
     first = named_tensors()
-    assert sender.staged_layout is None  # nothing mapped yet
+    assert sender.staged_layout is None and receiver.staged_channel is not None  # nothing mapped yet
     got = _receive_while(receiver, lambda: sender.send(first))
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, first))
-    layout = sender.staged_layout
     second = [(n, t * 3 if t.dtype != torch.bool else ~t) for n, t in named_tensors()]
-    written: list[bool] = []
-    staged = _receive_while(receiver, lambda: written.append(sender.send_staged(iter(second))), call=lambda: receiver.receive_staged(layout))
-    assert written == [True] and set(sender.phases) == {"plan", "payload", "end"}
+    out: list = []
+    server = _answer_one(receiver, out)
+    assert sender.write_staged(iter(second))
+    asyncio.run(sender.announce_staged(version=2, mode="drain"))
+    server.join(30)
+    assert set(sender.phases) == {"plan", "pack", "payload", "answer"}
+    staged = out.pop()
     assert [n for n, _ in staged] == [n for n, _ in second] and all(torch.equal(a, b) for (_, a), (_, b) in zip(staged, second))
     assert staged[0][1].data_ptr() == got[0][1].data_ptr()  # the same buffer and views as update 1
-    grown = [*named_tensors(), ("h.extra", torch.ones(2))]
-    refused = _receive_while(receiver, lambda: written.append(sender.send_staged(grown)), call=lambda: receiver.receive_staged(layout))
-    assert written[-1] is False and isinstance(refused, NotStaged)
-    again = _receive_while(receiver, lambda: written.append(sender.send_staged(second)), call=lambda: receiver.receive_staged("0" * 40))
-    assert written[-1] is True and isinstance(again, NotStaged)  # a layout this server never received
-    died = _receive_while(receiver, lambda: (time.sleep(0.2), sender.close(wait_s=5)), call=lambda: receiver.receive_staged(layout))
-    assert isinstance(died, (RuntimeError, OSError)) and receiver.group_id is None  # the trainer gone before its mark: nothing, group dropped
+    assert not sender.write_staged([*named_tensors(), ("h.extra", torch.ones(2))])  # laid out otherwise: sent in full
+    receiver._staged = "0" * 40  # as if the server's last whole update were laid out otherwise
+    server = _answer_one(receiver, out)
+    assert sender.write_staged(second)
+    with pytest.raises(NotStaged):
+        asyncio.run(sender.announce_staged(version=3, mode="drain"))
+    server.join(30)
+    assert isinstance(out.pop(), NotStaged)
+    server = _answer_one(receiver, out)
+    sender.close(wait_s=5)  # the trainer gone before announcing
+    server.join(30)
+    assert isinstance(out.pop(), ConnectionError)
 
 
 def test_an_update_laid_out_as_the_last_reuses_its_window_and_any_change_is_planned_afresh():

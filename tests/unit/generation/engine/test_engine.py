@@ -214,8 +214,10 @@ def test_update_weights_by_hf_names_matches_new_weights_and_bumps_version(family
     run(engine.close())
 
 
-def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_values(family_dirs):
-    """A server stages every update in the same buffer: the second load copies by the first's plan."""
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_values(family_dirs, one_buffer):
+    """A server stages every update in the same buffer: the second load copies by the first's plan, by
+    runs of back-to-back tensors (one_buffer, as a staged update lies) or tensor by tensor."""
     model_dir = family_dirs["qwen2"]
     engine = make_engine(model_dir)
     first, second = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() for _ in range(2))
@@ -223,11 +225,20 @@ def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_valu
         for a, b in zip(first.parameters(), second.parameters()):
             a.add_(torch.randn_like(a) * 0.05)
             b.add_(torch.randn_like(b) * 0.05)
-    staged = [(name, p.detach().clone()) for name, p in first.named_parameters()]
+    named = list(first.named_parameters())
+    if one_buffer:
+        flat, starts = torch.cat([p.detach().reshape(-1) for _, p in named]), [0]
+        for _, p in named:
+            starts.append(starts[-1] + p.numel())
+        staged = [(name, flat[start : start + p.numel()].view(p.shape)) for (name, p), start in zip(named, starts)]
+    else:
+        staged = [(name, p.detach().clone()) for name, p in named]
     run(engine.update_weights(staged, version=1))
     plan = engine.model._load_plan
-    for (_, t), p in zip(staged, second.parameters()):
-        t.copy_(p)  # the next update lands in the same buffers
+    assert sum(len(sizes) for _, sizes, _ in plan.runs) == (len(staged) if one_buffer else 0)
+    with torch.no_grad():
+        for (_, t), p in zip(staged, second.parameters()):
+            t.copy_(p)  # the next update lands in the same buffers
     run(engine.update_weights(list(staged), version=2))
     assert engine.model._load_plan is plan
     prompt = engine.tokenizer.encode("hello there")

@@ -240,10 +240,19 @@ class Timeline:
             elif collecting:
                 self.collections.append((collecting[0], time.perf_counter(), info["generation"]))
 
-        runner.launch, runner.wait, ticks._hand_over, scheduler.schedule = timed_launch, timed_wait, timed_add, timed_schedule
+        outbox, flush = engine._outbox, engine._outbox.flush
+        self.deliveries: list[tuple[float, int]] = []  # (time, number) of completions handed to the event loop
+
+        def timed_flush():
+            num_results = sum(len(results) for results in outbox._pending.values())
+            flush()
+            if num_results:
+                self.deliveries.append((time.perf_counter(), num_results))
+
+        runner.launch, runner.wait, ticks._hand_over, scheduler.schedule, outbox.flush = timed_launch, timed_wait, timed_add, timed_schedule, timed_flush
         gc.callbacks.append(on_gc)
         self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many),
-                                 delattr(scheduler, "schedule"), gc.callbacks.remove(on_gc))  # fmt: skip
+                                 delattr(scheduler, "schedule"), delattr(outbox, "flush"), gc.callbacks.remove(on_gc))  # fmt: skip
 
     def report(self, label: str) -> None:
         self._restore()
@@ -267,14 +276,15 @@ class Timeline:
                 print(f"  idle {1e3 * (ended - started):.1f} ms from {t(started)} s: after a {'prefill' if before[3] else 'decode'} of "
                       f"{before[4]}, before a {'prefill' if after[3] else 'decode'} of {after[4]}; {sum(n for _, n in arrived)} requests "
                       f"arrived meanwhile{first}; {1e3 * scheduling:.1f} ms in schedule(){pauses}", flush=True)
-        bursts: list[list] = []  # arrivals closer than 20 ms: one turn boundary's requests
-        for at, n in self.arrivals:
-            if bursts and at - bursts[-1][1] < 0.02:
-                bursts[-1][1:] = [at, bursts[-1][2] + n, bursts[-1][3] + 1]
-            else:
-                bursts.append([at, at, n, 1])
-        for first, last, n, ticks in bursts:
-            print(f"  arrivals: {n} requests from {t(first)} to {t(last)} s in {ticks} ticks", flush=True)
+        for what, events in (("completions handed to the event loop", self.deliveries), ("arrivals of requests", self.arrivals)):
+            bursts: list[list] = []  # events closer than 20 ms: one turn boundary's
+            for at, n in events:
+                if bursts and at - bursts[-1][1] < 0.02:
+                    bursts[-1][1:] = [at, bursts[-1][2] + n, bursts[-1][3] + 1]
+                else:
+                    bursts.append([at, at, n, 1])
+            for first, last, n, times in bursts:
+                print(f"  {what}: {n} from {t(first)} to {t(last)} s in {times} hand-overs", flush=True)
         decodes = [(end - start, start, n) for start, end, _, is_prefill, n, _ in steps if not is_prefill]
         slow = sorted(decodes, reverse=True)[:5]
         print(f"  decode launches: {len(decodes)}, {sum(d for d, _, _ in decodes):.3f} s in all, {sum(d > 0.001 for d, _, _ in decodes)} over 1 ms; "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, flash_varlen_available
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, flash_varlen_available, padded_tables, token_positions, varlen_metadata
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
@@ -194,33 +194,41 @@ class ModelRunner:
 
     def _prefill(self, batch: ScheduledBatch, slot: int) -> tuple[Tensor, SamplingTensors]:
         """Launches the forward of the new tokens; returns the logits each sequence samples from and its
-        sampling tensors. Every input crosses to the device before the launch, in _to_device's copies."""
+        sampling tensors. Every input crosses to the device before the launch, in _to_device's copies; on
+        the varlen path only token ids, lengths and block tables cross: positions and the attention
+        metadata ([N] and [sum C] slots) are computed there (built on the host, they were tensor ops over every
+        context position: ~80k of them in a prefill of 256 next turns)."""
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
         query_lens, context_lens = [n for _, n in computing], [s.num_tokens for s, _ in computing]
-        build = build_varlen_metadata if self.varlen_prefill else build_gather_metadata
-        meta = build(query_lens, context_lens, [s.block_table for s, _ in computing], self.block_size, HOST)
+        tables = [s.block_table for s, _ in computing]
+        meta = None if self.varlen_prefill else build_gather_metadata(query_lens, context_lens, tables, self.block_size, HOST)
         sampling = self._sampling_tensors(batch.seqs)
-        qlens = torch.tensor(query_lens)
-        ends = qlens.cumsum(0)
         inputs = {
             "ids": torch.tensor([t for seq, n in computing for t in seq.token_ids[seq.num_tokens - n :]]),
-            # row i of sequence b (its rows end at ends[b]) is position context_lens[b] - (ends[b] - i)
-            "positions": torch.arange(int(ends[-1])) + torch.repeat_interleave(torch.tensor(context_lens) - ends, qlens),
-            "last": ends - 1,  # [B_computing] row of each sequence's last token
+            "qlens": torch.tensor(query_lens),
+            "lens": torch.tensor(context_lens),
         }
+        if self.varlen_prefill:
+            inputs["tables"] = padded_tables(tables)
         if len(computing) != len(batch.seqs):
             inputs["rows"] = torch.tensor(batch.sample_rows)
         if batch.block_copies:
             inputs["copy_src"], inputs["copy_dst"] = self.block_copy_slots(batch.block_copies)
-        meta_fields, sampling_fields = _tensor_fields(meta), _tensor_fields(sampling)
+        meta_fields, sampling_fields = _tensor_fields(meta) if meta is not None else {}, _tensor_fields(sampling)
         moved = iter(self._to_device([*inputs.values(), *meta_fields.values(), *sampling_fields.values()]))
         inputs = {k: next(moved) for k in inputs}
-        meta = replace(meta, **{k: next(moved) for k in meta_fields})
+        meta_fields = {k: next(moved) for k in meta_fields}
         sampling = replace(sampling, **{k: next(moved) for k in sampling_fields})
         if self.is_cuda:
             self._events[slot][3].record()
-        hidden = self.model(inputs["ids"], inputs["positions"], meta)  # [N, E]
-        logits = self.model.compute_logits(hidden[inputs["last"]])  # [B_computing, V]
+        qlens, lens = inputs["qlens"], inputs["lens"]
+        positions = token_positions(qlens, lens, sum(query_lens))  # [N]
+        if meta is None:
+            meta = varlen_metadata(qlens, lens, inputs["tables"], positions, self.block_size, max_q=max(query_lens), max_k=max(context_lens), num_keys=sum(context_lens))
+        else:
+            meta = replace(meta, **meta_fields)
+        hidden = self.model(inputs["ids"], positions, meta)  # [N, E]
+        logits = self.model.compute_logits(hidden[torch.cumsum(qlens, 0) - 1])  # [B_computing, V]: each sequence's last token
         if batch.block_copies:
             self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))
         return (logits[inputs["rows"]] if "rows" in inputs else logits), sampling

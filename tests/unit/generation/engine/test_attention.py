@@ -51,3 +51,51 @@ def test_varlen_metadata_means_the_same_attention_as_gather():
             mask = torch.arange(n_c)[None, :] <= torch.arange(n_q)[:, None] + (n_c - n_q)
             got.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         assert torch.allclose(torch.cat(got), expected, atol=1e-5)
+
+
+def _reference_varlen_attention(q, k_cache, v_cache, meta):
+    """What flash attention's varlen form computes (bottom-right causal, GQA), per sequence, on any device."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = []
+    for b in range(len(meta.cu_seq_q) - 1):
+        qs = q[meta.cu_seq_q[b] : meta.cu_seq_q[b + 1]].transpose(0, 1)  # [H, Q, D]
+        ctx = meta.packed_key_slots[meta.cu_seq_k[b] : meta.cu_seq_k[b + 1]]
+        ks = k_cache[ctx].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, C, D]
+        vs = v_cache[ctx].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        mask = torch.arange(ks.shape[1])[None, :] <= torch.arange(qs.shape[1])[:, None] + (ks.shape[1] - qs.shape[1])
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path):
+    """The varlen path's inputs (lengths and block tables; positions and slots computed from them where the
+    model runs) give the tokens of the gather path: two turns, the second over the first's cached blocks,
+    and a group sharing one prompt (followers). On CPU, with the reference attention in place of flash."""
+    import asyncio
+
+    from tandemrl.generation.base import EngineConfig
+    from tandemrl.generation.engine import Engine
+    from tandemrl.generation.engine.layers import attention
+    from tandemrl.tasks.tiny import save_tiny
+    from tandemrl.types import SamplingParams
+
+    monkeypatch.setattr(attention, "varlen_attention", _reference_varlen_attention)
+    model_dir = save_tiny(str(tmp_path), seed=3)
+    prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)] + [[7, 8, 9] * 7] * 3
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+
+    async def two_turns(engine: Engine) -> list[list[int]]:
+        first = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        second = await asyncio.gather(*(engine.generate(p + c.token_ids + [11, 12, 13], params) for p, c in zip(prompts, first)))
+        await engine.close()
+        return [(c.token_ids, c.logprobs) for c in first + second]
+
+    outputs = {}
+    for varlen in (True, False):
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8, max_model_len=128))
+        engine.runner.varlen_prefill = varlen
+        outputs[varlen] = asyncio.run(two_turns(engine))
+        assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
+    for (ids, logprobs), (expected_ids, expected_logprobs) in zip(outputs[True], outputs[False]):
+        assert ids == expected_ids
+        assert all(abs(a - b) < 1e-4 for a, b in zip(logprobs, expected_logprobs))

@@ -157,20 +157,47 @@ def build_varlen_metadata(
     Example: query_lens [2, 1], context_lens [2, 3], block_size 2, tables [[5], [7, 8]] ->
     packed_key_slots [10, 11, 14, 15, 16], cu_seq_k [0, 2, 5], cu_seq_q [0, 2, 3], slot_mapping [10, 11, 16].
     """
-    lens, qlens = torch.tensor(context_lens), torch.tensor(query_lens)
-    owner = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [sum C] sequence of each position
-    positions = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[owner]
+    qlens, lens = torch.tensor(query_lens, device=device), torch.tensor(context_lens, device=device)
+    positions = token_positions(qlens, lens, sum(query_lens))
+    tables = padded_tables(block_tables).to(device)
+    return varlen_metadata(qlens, lens, tables, positions, block_size, max_q=max(query_lens), max_k=max(context_lens), num_keys=sum(context_lens))
+
+
+def padded_tables(block_tables: list[list[int]]) -> Tensor:
+    """[B, M] int64 on the host, each table padded with block 0 to the longest."""
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # [B, M]
-    key_slots = tables[owner, positions // block_size] * block_size + positions % block_size
-    computed = positions >= (lens - qlens)[owner]
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+
+
+def token_positions(query_lens: Tensor, context_lens: Tensor, num_tokens: int) -> Tensor:
+    """[N] position of each computed token: sequence b computes the last query_lens[b] of its
+    context_lens[b] positions. On the lengths' device, without a sync (num_tokens = sum of query_lens).
+
+    Example: query_lens [2, 1], context_lens [2, 3] -> [0, 1, 2]
+    """
+    ends = torch.cumsum(query_lens, 0)
+    # row i of sequence b (its rows end at ends[b]) is position context_lens[b] - (ends[b] - i)
+    return torch.arange(num_tokens, device=query_lens.device) + torch.repeat_interleave(context_lens - ends, query_lens, output_size=num_tokens)
+
+
+def varlen_metadata(
+    query_lens: Tensor, context_lens: Tensor, block_tables: Tensor, positions: Tensor, block_size: int, *, max_q: int, max_k: int, num_keys: int
+) -> VarlenMetadata:
+    """build_varlen_metadata from tensors on their device ([B] lengths, [B, M] tables, [N] positions
+    from token_positions): a prefill's host sends lengths and tables, not the [N] and [sum C] slots;
+    no sync (num_keys = sum of context_lens; max_q and max_k given)."""
+    rows = torch.arange(len(query_lens), device=query_lens.device)
+    q_owner = torch.repeat_interleave(rows, query_lens, output_size=len(positions))  # [N] sequence of each new token
+    k_owner = torch.repeat_interleave(rows, context_lens, output_size=num_keys)  # [sum C] sequence of each context position
+    k_ends = torch.cumsum(context_lens, 0)
+    k_positions = torch.arange(num_keys, device=query_lens.device) - (k_ends - context_lens)[k_owner]
     return VarlenMetadata(
-        slot_mapping=key_slots[computed].to(device, non_blocking=True),
-        cu_seq_q=torch.nn.functional.pad(torch.cumsum(qlens, 0), (1, 0)).to(torch.int32).to(device, non_blocking=True),
-        cu_seq_k=torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(device, non_blocking=True),
-        packed_key_slots=key_slots.to(device, non_blocking=True),
-        max_q=max(query_lens),
-        max_k=max(context_lens),
+        slot_mapping=block_tables[q_owner, positions // block_size].to(torch.int64) * block_size + positions % block_size,
+        cu_seq_q=F.pad(torch.cumsum(query_lens, 0), (1, 0)).to(torch.int32),
+        cu_seq_k=F.pad(k_ends, (1, 0)).to(torch.int32),
+        packed_key_slots=block_tables[k_owner, k_positions // block_size].to(torch.int64) * block_size + k_positions % block_size,
+        max_q=max_q,
+        max_k=max_k,
     )
 
 

@@ -84,9 +84,12 @@ class BlockManager:
         block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
         return i < full_hit_limit and block_id != -1 and self.blocks[block_id].token_ids == chunk
 
-    def allocate(self, seq: Sequence, *, allow_full_hit: bool = False, hashes: list[tuple[int, tuple[int, ...]]] | None = None) -> None:
-        """Gives `seq` a block table, reusing cached full blocks of its prefix (`hashes`: its
-        block_hashes, when the caller has them).
+    def allocate(
+        self, seq: Sequence, *, allow_full_hit: bool = False, hashes: list[tuple[int, tuple[int, ...]]] | None = None, num_cached: int | None = None
+    ) -> None:
+        """Gives `seq` a block table, reusing the cached full blocks of its prefix, then a free block whose
+        written head starts the next block (`hashes`, `num_cached`: its block_hashes and num_cached_tokens,
+        when the caller has them and nothing changed since).
 
         Unless `allow_full_hit` (a follower whose leader computes the last position's logits in the same
         step), at least the last block is computed, so a sequence never writes into a shared block.
@@ -94,28 +97,24 @@ class BlockManager:
         assert not seq.block_table
         seq.cache_epoch = self.epoch
         hashes = self.block_hashes(seq) if hashes is None else hashes
-        full_hit_limit = len(hashes) if allow_full_hit else len(hashes) - 1
-        miss = False
+        num_cached = self.num_cached_tokens(seq, hashes, allow_full_hit=allow_full_hit) if num_cached is None else num_cached
+        num_hits, head = divmod(num_cached, self.block_size)
         for i, (block_hash, chunk) in enumerate(hashes):
-            if miss or not self._hit(i, block_hash, chunk, full_hit_limit):
-                # the first block computed may start with a written head; a follower copies its leader's block
-                block_id = -1 if miss or allow_full_hit else self._partial(hashes[i - 1][0] if i else 0, chunk)
-                miss = True
-                if block_id == -1:
-                    block_id = self.take_fresh()
-                else:
-                    self._take(block_id)
-                    seq.num_cached_tokens += len(self.blocks[block_id].token_ids)
-                    self._forget(block_id)  # its tail is written now: no longer what its key says
-            else:
+            if i < num_hits:  # shared, or revived from the free list
                 block_id = self.hash_to_block[block_hash]
-                seq.num_cached_tokens += self.block_size
-                block_id = self._take(block_id) if block_id in self.free else self._share(block_id)
+                seq.block_table.append(self._take(block_id) if block_id in self.free else self._share(block_id))
+                continue
+            if i == num_hits and head:
+                block_id = self._take(self._partial(hashes[i - 1][0] if i else 0, chunk))
+                self._forget(block_id)  # its tail is written now: no longer what its key says
+            else:
+                block_id = self.take_fresh()
             if block_hash != -1:
                 block = self.blocks[block_id]
                 block.hash, block.token_ids = block_hash, chunk
                 self.hash_to_block[block_hash] = block_id
             seq.block_table.append(block_id)
+        seq.num_cached_tokens = num_cached
 
     def _partial(self, parent: int, chunk: tuple[int, ...]) -> int:
         """A free block whose written head starts `chunk` (after the blocks hashed `parent`); -1 if none.

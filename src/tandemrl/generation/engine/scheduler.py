@@ -108,11 +108,12 @@ class Scheduler:
             key = tuple(seq.token_ids)
             leader = leaders.get(key)
             hashes = None if leader else self.blocks.block_hashes(seq)
-            cost = 0 if leader else seq.num_tokens - self.blocks.num_cached_tokens(seq, hashes)  # what it computes: a cached prefix is free
+            cached = None if leader else self.blocks.num_cached_tokens(seq, hashes)
+            cost = 0 if leader else seq.num_tokens - cached  # what it computes: a cached prefix is free
             if num_tokens + cost > self.max_num_batched_tokens or not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, allow_full_hit=leader is not None, hashes=hashes)
+            self.blocks.allocate(seq, allow_full_hit=leader is not None, hashes=hashes, num_cached=cached)
             if leader is None:
                 leaders[key] = seq
                 leader_rows[seq.seq_id] = len(leader_rows)

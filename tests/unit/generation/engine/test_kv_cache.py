@@ -17,15 +17,15 @@ def seq(token_ids: list[int]) -> Sequence:
 
 @pytest.fixture(autouse=True)
 def probe_equals_allocate(monkeypatch):
-    """Every allocate in these tests first checks that num_cached_tokens (the scheduler's read-only probe)
-    foretells what allocate finds cached, and that the probe changed nothing."""
+    """Every allocate in these tests first checks that num_cached_tokens (the scheduler's probe, which
+    allocate follows) changes nothing; the tests' own asserts check what allocate then takes."""
     allocate = BlockManager.allocate
 
-    def checked(self, seq, *, allow_full_hit=False, hashes=None):
+    def checked(self, seq, *, allow_full_hit=False, hashes=None, num_cached=None):
         state = (dict(self.hash_to_block), list(self.free), [(b.ref_count, b.hash, b.token_ids) for b in self.blocks])
         foretold = self.num_cached_tokens(seq, self.block_hashes(seq), allow_full_hit=allow_full_hit)
         assert state == (dict(self.hash_to_block), list(self.free), [(b.ref_count, b.hash, b.token_ids) for b in self.blocks])
-        allocate(self, seq, allow_full_hit=allow_full_hit, hashes=hashes)
+        allocate(self, seq, allow_full_hit=allow_full_hit, hashes=hashes, num_cached=num_cached)
         assert seq.num_cached_tokens == foretold
 
     monkeypatch.setattr(BlockManager, "allocate", checked)

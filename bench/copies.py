@@ -90,9 +90,9 @@ def bench(shape: str, device: torch.device, repeats: int) -> None:
     flat_params = [p.view(-1) for p in params]
     methods: dict[str, Callable[[], object]] = {
         "one flat copy of the bytes": lambda: other.copy_(flat),
-        "pack: _foreach_copy_": lambda: torch._foreach_copy_(views, params),
+        "pack: _foreach_copy_ (buckets.pack)": lambda: torch._foreach_copy_(views, params),
         "pack: torch.cat out=": lambda: torch.cat(flat_params, out=flat),
-        "pack: _chunk_cat out= (buckets.pack)": lambda: torch._chunk_cat(params, 0, 1, out=flat.view(1, -1)),
+        "pack: _chunk_cat out=": lambda: torch._chunk_cat(params, 0, 1, out=flat.view(1, -1)),
         "pack: copy_ each": lambda: [v.copy_(p) for v, p in zip(views, params)],
         "apply: _foreach_copy_ by 64 (a plan batch)": lambda: [torch._foreach_copy_(targets[i : i + 64], views[i : i + 64]) for i in range(0, len(views), 64)],
         "apply: _foreach_copy_ all": lambda: torch._foreach_copy_(targets, views),

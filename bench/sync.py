@@ -1,6 +1,7 @@
 """Weight-sync time and GB/s into a real `tandem rollout` server, for Qwen2.5-0.5B and 1.5B shapes (configs
 written here from the real models', random bf16 weights): what `tandem train --rollout_mode server`
-publishes through (DistributedSync), from the first byte to every server's answer that the version is live.
+publishes through (DistributedSync, handed the trainer's named parameters listed once and held, as the trainer's
+`published_weights` holds them), from the first byte to every server's answer that the version is live.
 
     python bench/sync.py --transport ipc                    # one GPU: trainer and server share it (CUDA IPC)
     python bench/sync.py --transport nccl                   # two GPUs: the server on cuda:1
@@ -156,6 +157,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
             times = []
             pauses = FullCollections()
             runner = asyncio.Runner()  # one event loop for every update, as the trainer's (pipeline/loop.py)
+            named = list(trainer.named_parameters())  # listed once and held, as the trainer's published_weights does
             with frozen_heap() if not args.gc_as_is else contextlib.nullcontext(), pauses:  # as `tandem train` runs
                 for version in range(1, args.num_syncs + 1):
                     with torch.no_grad():
@@ -163,7 +165,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
                     torch.cuda.synchronize() if args.device.startswith("cuda") else None
                     pauses.ms.clear()
                     start = time.perf_counter()
-                    runner.run(sync.publish(trainer.named_parameters(), version=version))
+                    runner.run(sync.publish(named, version=version))
                     times.append(time.perf_counter() - start)
                     send_s.append(sum(s for phase, s in sync.sender.phases.items() if phase != "live"))
                     assert client.readiness()[0]["policy_version"] == version

@@ -51,8 +51,9 @@ class DistributedSyncConfig:
     weight_sync_host: str = ""
     """Trainer address the servers connect to (default: the local address that routes to the first server)."""
     weight_sync_ipc_reuse: bool = True
-    """CUDA IPC: an update laid out as the last one is written into the servers' buffers mapped then, while
-    announced, and marked written (no metadata or handles); off, every update goes through the group in full."""
+    """CUDA IPC: an update laid out as the last one is written into the servers' buffers mapped then and
+    announced on a socket per server (no HTTP request, collective, metadata or handles); off, every update
+    goes through the group in full, announced over HTTP."""
 
 
 WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig

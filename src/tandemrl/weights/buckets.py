@@ -36,7 +36,6 @@ class Window:
     last: bool  # no window follows in this update
     encoded: bytes = field(default=b"", repr=False, compare=False)  # to_json as sent, once `encode` ran
     views: dict[tuple[int, int, int], list[Tensor]] = field(default_factory=dict, repr=False, compare=False)  # by `views_of`
-    spans: dict[tuple[int, int, int], list[tuple[int, int, Tensor | None]]] = field(default_factory=dict, repr=False, compare=False)  # by `spans_of`
 
     def to_json(self) -> dict[str, Any]:
         return {"tensors": self.tensors, "buckets": self.buckets, "num_bytes": self.num_bytes, "last": self.last}
@@ -55,36 +54,6 @@ class Window:
             start, first, end = (0, 0, len(self.tensors)) if bucket is None else (self.buckets[bucket][0], *self.buckets[bucket][2:])
             self.views[key] = views(self.tensors[first:end], flat, start)
         return self.views[key]
-
-    def spans_of(self, flat: Tensor, bucket: int | None = None) -> list[tuple[int, int, Tensor | None]]:
-        """The window's tensors (or one bucket's) as runs [a, b) of indices (from the bucket's first) that
-        lie back to back in `flat` (no alignment gap) in one dtype, each with its bytes in `flat` as one
-        [1, elements] tensor of that dtype (None for a run of one): what `pack` writes with one call. Every
-        tensor of a Qwen2.5 model is a multiple of ALIGN bytes, so its update is one run. Made once per buffer.
-
-        Example: float32 [16] at byte 0, float32 [16] at 64, bfloat16 [32] at 128, float32 [3] at 192,
-        float32 [1] at 256 -> [(0, 2, float32 [1, 32]), (2, 3, None), (3, 4, None), (4, 5, None)]
-        (a dtype changes at 2; 3 ends at byte 204, not 256).
-        """
-        key = (-1 if bucket is None else bucket, flat.data_ptr(), flat.numel())
-        if key not in self.spans:
-            first, end = (0, len(self.tensors)) if bucket is None else self.buckets[bucket][2:]
-            metas, targets = self.tensors[first:end], self.views_of(flat, bucket)
-            runs: list[tuple[int, int, Tensor | None]] = []
-            a = 0
-            for b in range(1, len(metas) + 1):
-                if b < len(metas) and metas[b]["dtype"] == metas[a]["dtype"] and metas[b]["offset"] == metas[b - 1]["offset"] + targets[b - 1].nbytes:
-                    continue
-                numel = sum(t.numel() for t in targets[a:b])
-                runs.append((a, b, targets[a].as_strided((1, numel), (numel, 1), targets[a].storage_offset()) if b - a > 1 else None))
-                a = b
-            self.spans[key] = runs
-        return self.spans[key]
-
-    def forget_buffers(self) -> None:
-        """Drops the views into buffers (`views_of`, `spans_of`): the buffers are being replaced."""
-        self.views.clear()
-        self.spans.clear()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Window:
@@ -167,16 +136,14 @@ def views(metas: list[dict[str, Any]], flat: Tensor, base: int = 0) -> list[Tens
 
 @torch.no_grad()
 def pack(window: Window, tensors: list[Tensor], flat: Tensor, bucket: int | None = None) -> None:
-    """Copies the window's tensors (or one bucket's) into `flat` (the window's bytes, or that bucket's):
-    each run of tensors that lie back to back in one dtype by one `_chunk_cat` (a single vectorised copy
-    kernel, as FSDP2 packs its gradients), any other tensor by itself."""
-    first = 0 if bucket is None else window.buckets[bucket][2]
+    """Copies the window's tensors (or one bucket's) into `flat` (the window's bytes, or that bucket's)."""
+    first, end = (0, len(tensors)) if bucket is None else window.buckets[bucket][2:]
     targets = window.views_of(flat, bucket)
-    for a, b, span in window.spans_of(flat, bucket):
-        if span is not None:
-            torch._chunk_cat(tensors[first + a : first + b], 0, 1, out=span)
-        else:
-            targets[a].copy_(tensors[first + a])
+    if targets and flat.is_cuda:  # one launch for the bucket; on CPU torch's foreach copy is erratic (engine/models/llama.py)
+        torch._foreach_copy_(targets, tensors[first:end])
+    else:
+        for target, tensor in zip(targets, tensors[first:end]):
+            target.copy_(tensor)
 
 
 def unpack(window: Window, flat: Tensor) -> Named:

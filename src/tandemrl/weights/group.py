@@ -479,7 +479,7 @@ class WeightReceiver:
         if any(handle is not None for _, handle in self._buffers):  # a trainer of an earlier group may still write them
             self._buffers = []
             if self._window is not None:
-                self._window.forget_buffers()
+                self._window.views.clear()
         self._staged = None
         self._group, self.group_id = group, group_id
 
@@ -569,7 +569,7 @@ class WeightReceiver:
             buffer, handle = ipc.shared_buffer(num_bytes, device) if share else (torch.empty(num_bytes, dtype=torch.uint8, device=device), None)
             self._buffers[index : index + 1] = [(buffer, handle)]
             if self._window is not None:
-                self._window.forget_buffers()  # views into the buffer replaced: let it go
+                self._window.views.clear()  # views into the buffer replaced: let it go
         buffer = self._buffers[index][0]
         if share and buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)

@@ -3,6 +3,9 @@ go up by one, drain keeps in-flight requests on the old version, pause switches 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -36,8 +39,8 @@ def test_gloo_update_makes_server_greedy_equal_trainer_greedy_and_bumps_version(
 
 def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_nothing(server, client, tiny_model_dir, tiny_tokenizer):
     """CUDA IPC's protocol on CPU (the server's staging buffer a shared file): the first update goes through
-    the group; the next ones are written into the server's buffer while announced, then marked. Bytes
-    written and never marked (a trainer dying mid-write) leave the served version as it was; a staged
+    the group; the next ones are written into the server's buffer, then announced on its channel. Bytes
+    written and never announced (a trainer dying mid-write) leave the served version as it was; a staged
     update the server cannot take (another trainer's group came in between) goes in full."""
     prompt_ids = tiny_tokenizer.encode("the answer is")
     config = sync(backend="ipc")
@@ -47,9 +50,9 @@ def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_
         publisher = push(client, model.named_parameters(), version=version + 1, config=config)
         assert client.readiness()[0]["policy_version"] == version + 1
         assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
-    assert "live" in publisher.sender.phases  # staged: written while announced, one mark
+    assert "answer" in publisher.sender.phases  # staged: written, then announced on the channel
     _, _, buffers = publisher.sender._staged
-    buffers[0].fill_(0xFF)  # NaN everywhere, never marked
+    buffers[0].fill_(0xFF)  # NaN everywhere, never announced
     completion = client.generate(prompt_ids, GREEDY)
     assert completion.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and completion.policy_versions[0] == version + 1
     model = trainer_model(tiny_model_dir, 6)
@@ -61,6 +64,42 @@ def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_
     assert client.readiness()[0]["policy_version"] == version + 4
     assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
     assert "live" not in publisher.sender.phases and publisher.sender.staged_layout is not None
+
+
+STAGED_THEN_DIE = """
+import sys, time
+sys.path.insert(0, {here!r})
+from rollout_helpers import push, sync, trainer_model
+from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote import RolloutClient
+
+client = RolloutClient(RemoteConfig(urls=({url!r},)))
+publisher = push(client, trainer_model({model!r}, 8).named_parameters(), version={version}, config=sync(backend="ipc"))
+assert publisher.sender.write_staged(list(trainer_model({model!r}, 9).named_parameters()))
+print("WRITTEN", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_between_writing_a_staged_update_and_announcing_it_changes_nothing(server, client, tiny_model_dir, tiny_tokenizer):
+    """CUDA IPC's protocol on CPU: a trainer process writes the next update into the server's buffer and
+    dies before announcing it on the channel; the server keeps serving the version before, and the next
+    trainer's update goes live."""
+    prompt_ids = tiny_tokenizer.encode("the answer is")
+    version = client.readiness()[0]["policy_version"]
+    script = STAGED_THEN_DIE.format(here=os.path.dirname(__file__), model=tiny_model_dir, url=server.url, version=version + 1)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "WRITTEN"
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    time.sleep(0.5)  # the server sees its channel close
+    assert client.readiness()[0]["policy_version"] == version + 1
+    assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(trainer_model(tiny_model_dir, 8), tiny_tokenizer, prompt_ids)
+    model = trainer_model(tiny_model_dir, 9)
+    push(client, model.named_parameters(), version=version + 2, config=sync(backend="ipc"))
+    assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
 
 
 def test_drain_update_waits_for_in_flight_requests_which_keep_the_old_version(server, client, tiny_model_dir):

@@ -150,10 +150,11 @@ def test_mixed_precision_publishes_the_refreshed_16_bit_twin_under_the_masters_n
     trainer.plan = ForwardPlan(
         compute=ComputeWeights(trainer.model, torch.bfloat16), dtype=torch.bfloat16, packed=False, compile=False, no_grad_budget_factor=1
     )
-    trainer.train_step(make_batch(seed=0))
-    published = dict(trainer.published_weights())
-    masters = dict(trainer.model.named_parameters())
-    assert list(published) == list(masters)
-    for name, master in masters.items():
-        assert published[name].dtype == torch.bfloat16
-        assert torch.equal(published[name], master.detach().to(torch.bfloat16)), name  # this version's, not the last forward's
+    for seed in (0, 1):  # the second step's publish hands over the list the first listed, holding the new values
+        trainer.train_step(make_batch(seed=seed))
+        published = dict(trainer.published_weights())
+        masters = dict(trainer.model.named_parameters())
+        assert list(published) == list(masters)
+        for name, master in masters.items():
+            assert published[name].dtype == torch.bfloat16
+            assert torch.equal(published[name], master.detach().to(torch.bfloat16)), name  # this version's, not the last forward's

@@ -31,11 +31,11 @@ def named_tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize(("bucket_bytes", "window_bytes", "num_windows", "num_buckets"), [(1, 1, 8, 8), (256, 1 << 20, 1, 3), (256, 512, 3, 3), (1 << 20, 1 << 20, 1, 1)])
+@pytest.mark.parametrize(("bucket_bytes", "window_bytes", "num_windows", "num_buckets"), [(1, 1, 10, 10), (256, 1 << 20, 1, 4), (256, 512, 3, 4), (1 << 20, 1 << 20, 1, 1)])
 def test_windows_round_trip_every_dtype_shape_and_layout(bucket_bytes, window_bytes, num_windows, num_buckets):
-    original = [*named_tensors(), ("h.empty", torch.zeros(0))]
+    original = [*named_tensors(), ("h.empty", torch.zeros(0)), ("i.square", torch.arange(16.0).view(4, 4)), ("j.row", torch.arange(16.0))]
     windows = list(plan_windows(original, bucket_bytes, window_bytes))
-    assert len(windows) == num_windows and sum(len(w.buckets) for w, _ in windows) == num_buckets  # 256: [a b c] [d] [e f g h]
+    assert len(windows) == num_windows and sum(len(w.buckets) for w, _ in windows) == num_buckets  # 256: [a b c] [d] [e f g h] [i j]: h, i, j back to back
     assert [w.last for w, _ in windows] == [False] * (num_windows - 1) + [True]
     got = []
     for window, tensors in windows:

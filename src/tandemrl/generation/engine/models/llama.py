@@ -361,7 +361,7 @@ class LoadPlan:
         runs: list[list[tuple[Tensor, int]]] = []
         for target, index in pairs:
             source, last = sources[index], runs[-1][-1] if runs and runs[-1] else None
-            fits = source.is_contiguous() and target.is_contiguous() and source.dtype == target.dtype
+            fits = source.numel() > 0 and source.is_contiguous() and target.is_contiguous() and source.dtype == target.dtype
             if fits and last is not None and _follows(sources[last[1]], source):
                 runs[-1].append((target, index))
             else:

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from tandemrl.generation.base import Generator
-from tandemrl.rollout.run import MultiTurn, play
+from tandemrl.rollout.run import MultiTurn, play, with_turn_stop
 from tandemrl.types import Example, Group, RolloutStatus, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,7 @@ async def play_group(
     multi_turn: MultiTurn | None = None,
 ) -> Group:
     """G rollouts of `example`; rollout g samples with seed `seed + g`, so a run is reproducible."""
+    params = with_turn_stop(params, multi_turn) if multi_turn is not None else params
     plays = [
         play(example, prompt_ids, generator=generator, params=dataclasses.replace(params, seed=seed + g), tokenizer=tokenizer, multi_turn=multi_turn)
         for g in range(group_size)

@@ -60,8 +60,7 @@ async def _play_turns(
     trace, messages, turns, warm_ups = TokenTrace(), [], [], []
     decode = decoder_of(tokenizer)
     trace.append_context(prompt_ids)
-    if mt.chat.end_of_turn_id is not None:  # a turn ends where the template closes an assistant message
-        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, mt.chat.end_of_turn_id))
+    params = with_turn_stop(params, mt)
     finish: FinishReason = "length"
     for number in range(mt.max_turns):
         room = mt.max_total_tokens - len(trace.token_ids)
@@ -98,6 +97,15 @@ async def _play_turns(
         messages=messages,
         turns=turns,
     )
+
+
+def with_turn_stop(params: SamplingParams, mt: MultiTurn) -> SamplingParams:
+    """`params` that also stop where the chat template closes an assistant message (a turn's end); `params`
+    itself when they do already (play_group applies it once a group: a replace validates every field again)."""
+    end = mt.chat.end_of_turn_id
+    if end is None or end in params.stop_token_ids:
+        return params
+    return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end))
 
 
 WARM_UP = SamplingParams(max_tokens=1, temperature=0.0, seed=0)  # seeded: a warm-up takes nothing from the engine's seed counter

@@ -175,8 +175,8 @@ class Turn:
 
 @dataclass(kw_only=True, slots=True)
 class Rollout:
-    """A conversation played to its end. The rollout runner writes trace, text, messages, turns and
-    status; the rewards step writes `rewards` (one entry per reward function, None = not applicable)
+    """A conversation played to its end. The rollout runner writes trace, text (single-turn: a multi-turn
+    rollout's is decoded where shown, rollout.run.completion_text), messages, turns and status; the rewards step writes `rewards` (one entry per reward function, None = not applicable)
     and `reward` (their weighted sum; None when every function returned None: unscorable, advantage 0).
     `messages` (multi-turn only) is the conversation after the prompt, as chat messages:
     assistant turns (with the `tool_calls` parsed from them) and the environment's answers."""

@@ -37,7 +37,7 @@ from tandemrl.pipeline.evaluate import EvalSet, evaluate
 from tandemrl.pipeline.producer import Producer, generation_rounds, group_seed, mark_failed, score_groups
 from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState
 from tandemrl.rollout.group import failed, play_group, turn_metrics
-from tandemrl.rollout.run import MultiTurn
+from tandemrl.rollout.run import MultiTurn, completion_text
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.train.distributed import SINGLE, DataParallel
 from tandemrl.train.trainer import Trainer
@@ -359,7 +359,7 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     if not every or (step % every and step != settings.max_steps):
         return
     rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
-    rows = [{"prompt": str(r.example.prompt), "completion": r.completion_text, "reward": r.reward, **r.rewards} for r in rollouts]
+    rows = [{"prompt": str(r.example.prompt), "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards} for r in rollouts]
     parts.logger.log_completions(step, rows)
     sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
     shown = [{**row, "completion": readable_text(parts.tokenizer, ids, row["completion"])} for row, ids in zip(rows, sampled)]

@@ -91,12 +91,21 @@ async def _play_turns(
     return Rollout(
         example=example,
         trace=trace,
-        completion_text=decode(trace.token_ids[len(prompt_ids) :]),
+        completion_text="",  # decoded only where shown: completion_text()
         finish_reason=finish,
         status=_status(finish),
         messages=messages,
         turns=turns,
     )
+
+
+def completion_text(rollout: Rollout, tokenizer: Any) -> str:
+    """What a rollout wrote after its prompt, as text: a single-turn rollout's completion_text; a multi-turn
+    rollout's conversation decoded now (only the few logged are: a decode of every conversation, at every
+    step's end, cost ~10-50 us a rollout on the event loop that waits for the last one)."""
+    if rollout.completion_text or not rollout.messages or not rollout.turns:
+        return rollout.completion_text
+    return decoder_of(tokenizer)(rollout.trace.token_ids[rollout.turns[0].start :])
 
 
 def with_turn_stop(params: SamplingParams, mt: MultiTurn) -> SamplingParams:

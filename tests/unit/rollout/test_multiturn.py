@@ -9,7 +9,7 @@ import pytest
 
 from tandemrl.rollout.chat import ChatFormat, HermesParser, decoder_of
 from tandemrl.rollout.env import ToolEnv
-from tandemrl.rollout.run import MultiTurn, play
+from tandemrl.rollout.run import MultiTurn, completion_text, play
 from tandemrl.rollout.tools import ToolBox, python_tool
 from tandemrl.types import Completion, Example, RolloutStatus, SamplingParams
 
@@ -95,6 +95,9 @@ def test_three_turns_are_token_exact_with_tool_output_as_context(tiny_tokenizer)
     assert rollout.status is RolloutStatus.OK and rollout.finish_reason == "stop"
     assert [m["role"] for m in rollout.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert rollout.messages[0]["tool_calls"][0]["function"]["name"] == "add"
+    # the conversation's text is decoded where it is shown, not at every rollout's end
+    assert rollout.completion_text == ""
+    assert completion_text(rollout, tiny_tokenizer) == tiny_tokenizer.decode(trace.token_ids[len(prompt_ids) :])
 
 
 def test_sampled_tokens_are_never_retokenised(tiny_tokenizer):

@@ -7,7 +7,7 @@ prefix cache. `generate` may be awaited from any asyncio loop; cancelling it abo
 
 Overlap (on CUDA): a decode step launches the next decode of the same sequences before it waits for
 its own tokens (Scheduler.schedule_ahead), so the host's bookkeeping runs while the device computes;
-with --overlap_prefills a prefill step launches the next prefill (other sequences that wait) the same way.
+a prefill step launches the next prefill (other sequences that wait) the same way (--no-overlap_prefills: not).
 That step is in flight between two calls of `step`; whatever needs the engine still (weight updates,
 sleep, wake) finishes it first, under the step lock. Sampling noise depends on (seed, position) alone,
 so the tokens are those of a run without overlap; rows of sequences that finished are dropped.

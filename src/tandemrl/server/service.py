@@ -269,15 +269,22 @@ class RolloutService:
                 self.receiver.settle()  # CUDA IPC: the staging buffer read before the trainer hears "live"
             finally:
                 self.update_in_progress = False
-            seconds = time.perf_counter() - start
+            seconds = (done := time.perf_counter()) - start
             self.counters.weight_syncs["ok"] += 1
             self.counters.last_sync_s = seconds
             self.metrics.weight_sync.observe(seconds)
             num_bytes = sum(t.numel() * t.element_size() for _, t in staging)
-            phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.receiver.phases.items())
-            log.info("policy version %d live (%d tensors, %.1f MB, %.4f s: receive %.1f ms [%s], apply %.1f ms; %s)", version, len(staging),
-                     num_bytes / 2**20, seconds, (received - start) * 1e3, phases, (time.perf_counter() - received) * 1e3, mode)  # fmt: skip
+            # logged in the loop's next turn: the caller answers first (the staged-update channel's trainer waits for it)
+            asyncio.get_running_loop().call_soon(
+                self._log_live, version, len(staging), num_bytes, seconds, received - start, done - received, self.receiver.phases, mode
+            )
             return len(staging), num_bytes, seconds
+
+    @staticmethod
+    def _log_live(version: int, num_tensors: int, num_bytes: int, seconds: float, receive_s: float, apply_s: float, phases: dict, mode: str) -> None:
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
+        log.info("policy version %d live (%d tensors, %.1f MB, %.4f s: receive %.1f ms [%s], apply %.1f ms; %s)", version, num_tensors,
+                 num_bytes / 2**20, seconds, receive_s * 1e3, parts, apply_s * 1e3, mode)  # fmt: skip
 
     async def serve_staged_updates(self, group_id: str, conn: socket.socket) -> None:
         """Serves group `group_id`'s staged-update channel (CUDA IPC, weights/channel.py) until the trainer

@@ -79,6 +79,8 @@ async def exchange(channels: list[socket.socket], message: dict[str, Any], *, ti
     async with asyncio.timeout(timeout_s):
         for conn in channels:
             await loop.sock_sendall(conn, data)
+        if len(channels) == 1:  # the usual case: one server on the GPU, no task to gather
+            return [await _read_line(loop, channels[0])]
         return list(await asyncio.gather(*(_read_line(loop, conn) for conn in channels)))
 
 

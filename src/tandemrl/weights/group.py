@@ -258,6 +258,14 @@ def _release(groups: list[Any], abort: bool) -> None:
     groups.clear()  # the destructors (which join torch's watchdog thread) run here, not in the caller
 
 
+class StagedTensors(list):
+    """A server's staged update (CUDA IPC): (name, view into the staging buffer) of each tensor, made at the
+    group's first update of a layout and handed over again, the same object never changed, for every
+    update staged in that layout. Weak-referenceable, so the engine knows it again without a key."""
+
+    __slots__ = ("__weakref__",)
+
+
 class WeightSender:
     """Trainer rank 0's side: owns the rendezvous store (for its whole life) and the current group."""
 
@@ -452,7 +460,7 @@ class WeightReceiver:
         self._lock = threading.Lock()  # a receive left behind and the server's event loop may both drop the group
         self._buffers: list[tuple[Tensor, dict[str, Any] | None]] = []  # per window: its staging buffer (kept), IPC handle
         self._window: Window | None = None  # the last metadata received, decoded (an update like the last reuses it)
-        self._staged: str | None = None  # IPC: digest of the one-window layout last received whole in this group
+        self._staged: tuple[str, StagedTensors] | None = None  # IPC: the one-window layout last received whole in this group: digest, tensors
         self.phases: dict[str, float] = {}  # the last receive's seconds by phase (hello, meta, payload, unpack)
 
     def join(self, spec: dict[str, Any]) -> None:
@@ -521,7 +529,8 @@ class WeightReceiver:
             self._drop(group)
             raise
         if group.transport == "ipc" and index == 0:
-            self._staged = digest(window)
+            staging = StagedTensors(staging)
+            self._staged = (digest(window), staging)
         self.phases = clock.seconds
         return staging
 
@@ -530,14 +539,10 @@ class WeightReceiver:
         this server's staging buffer, laid out as the last update received whole in this group (`layout`: its
         digest). NotStaged when it is not (this server has no such layout: it joined another group since, or
         restarted): the trainer then sends it in full, in a group formed again. No collective, no wait."""
-        window = self._window
-        if self._group is None or self._staged is None or layout != self._staged or window is None:
+        if self._group is None or self._staged is None or layout != self._staged[0]:
             raise NotStaged(f"no staged update laid out as {layout[:12]} here; send it in full")
-        clock = Phases()
-        staging = unpack(window, self._buffers[0][0][: window.num_bytes])
-        clock.lap("unpack")
-        self.phases = clock.seconds
-        return staging
+        self.phases = {}
+        return self._staged[1]
 
     @property
     def staged_channel(self) -> socket.socket | None:

@@ -14,6 +14,7 @@ from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
 from tandemrl.generation.engine import Engine
 from tandemrl.generation.hf import HFGenerator
 from tandemrl.types import SamplingParams
+from tandemrl.weights.group import StagedTensors
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -217,7 +218,7 @@ def test_update_weights_by_hf_names_matches_new_weights_and_bumps_version(family
 @pytest.mark.parametrize("one_buffer", [True, False])
 def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_values(family_dirs, one_buffer):
     """A server stages every update in the same buffer: the second load copies by the first's plan, by
-    runs of back-to-back tensors (one_buffer, as a staged update lies) or tensor by tensor."""
+    runs of back-to-back tensors (one_buffer: a server's StagedTensors, handed over again) or tensor by tensor."""
     model_dir = family_dirs["qwen2"]
     engine = make_engine(model_dir)
     first, second = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() for _ in range(2))
@@ -230,7 +231,7 @@ def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_valu
         flat, starts = torch.cat([p.detach().reshape(-1) for _, p in named]), [0]
         for _, p in named:
             starts.append(starts[-1] + p.numel())
-        staged = [(name, flat[start : start + p.numel()].view(p.shape)) for (name, p), start in zip(named, starts)]
+        staged = StagedTensors((name, flat[start : start + p.numel()].view(p.shape)) for (name, p), start in zip(named, starts))
     else:
         staged = [(name, p.detach().clone()) for name, p in named]
     run(engine.update_weights(staged, version=1))
@@ -239,8 +240,8 @@ def test_a_list_staged_like_the_last_reuses_its_load_plan_and_loads_the_new_valu
     with torch.no_grad():
         for (_, t), p in zip(staged, second.parameters()):
             t.copy_(p)  # the next update lands in the same buffers
-    run(engine.update_weights(list(staged), version=2))
-    assert engine.model._load_plan is plan
+    run(engine.update_weights(staged if one_buffer else list(staged), version=2))  # a server's: the very same list again
+    assert engine.model._load_plan is plan and (plan.source is not None) == one_buffer
     prompt = engine.tokenizer.encode("hello there")
     expected = second.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, len(prompt) :]
     assert run(engine.generate(prompt, GREEDY)).token_ids == expected.tolist()

@@ -106,9 +106,9 @@ class DistributedSync:
             return weights
         weights = list(weights)  # kept for the full send if it is refused (a staged layout is one window: <= 16 buckets)
         start = time.perf_counter()
-        if not self.sender.write_staged(weights):
-            return weights
-        try:
+        try:  # a write that fails half-way was never announced: the servers keep their version
+            if not self.sender.write_staged(weights):
+                return weights
             await self.sender.announce_staged(version=version, mode=self.config.update_mode)
         except Exception as error:  # noqa: BLE001 - any refusal: the full path says what is wrong, in a new group
             log.info("version %d was not taken staged (%s); sending it in full in a new group", version, error)

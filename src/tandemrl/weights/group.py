@@ -26,7 +26,8 @@ can take long to abort, and that must never block a caller (a server's event loo
 from a TCPStore directly (no default process group), so they coexist with the trainer's FSDP group and
 an engine's tensor-parallel group, and are re-formed when a server restarts.
 (Past 500 lines: sender and receiver are the two ends of one wire, full and staged, and read best
-side by side; the window layout is already apart in buckets.py, the IPC buffers in ipc.py.)
+side by side; the window layout is already apart in buckets.py, the IPC buffers in ipc.py, the staged
+updates' channel in channel.py.)
 """
 
 from __future__ import annotations

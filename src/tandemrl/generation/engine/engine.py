@@ -24,6 +24,7 @@ lines: the leader's and the follower's sides share the step lock and every state
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandemrl.generation.base import EngineConfig
@@ -546,10 +548,10 @@ class Engine:
         return min(usable, num_blocks)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.runner.vocab_size  # a plain int: model.config's goes through transformers' __getattribute__
         if not prompt_ids:
             raise ValueError("empty prompt: pass at least one token id")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        if _out_of_range(prompt_ids, vocab_size):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
@@ -557,6 +559,21 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
         if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
             raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
+
+
+def _out_of_range(token_ids: list[int], vocab_size: int) -> bool:
+    """Whether an id is < 0 or >= vocab_size. Runs on the event loop for every turn of every rollout: an
+    unsigned 32-bit array refuses negative ids in C and numpy takes the max, ~7 us for 450 ids where
+    min() and max() of the list took ~21 us (a rich comparison per id). Ids that are not 32-bit
+    unsigned ints (or not ints) take that plain check, so every prompt gets the answer it always had.
+
+    Example: _out_of_range([0, 5], 6) -> False; _out_of_range([6], 6) -> True; _out_of_range([-1], 6) -> True
+    """
+    try:
+        ids = array.array("I", token_ids)
+    except (OverflowError, TypeError):
+        return min(token_ids) < 0 or max(token_ids) >= vocab_size
+    return int(np.maximum.reduce(np.frombuffer(ids, np.uintc))) >= vocab_size
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:

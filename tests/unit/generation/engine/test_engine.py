@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
 from tandemrl.generation.engine import Engine
+from tandemrl.generation.engine.engine import _out_of_range
 from tandemrl.generation.hf import HFGenerator
 from tandemrl.types import SamplingParams
 from tandemrl.weights.group import StagedTensors
@@ -292,6 +294,11 @@ def test_invalid_requests_are_rejected_at_the_boundary(family_dirs):
     with pytest.raises(ValueError, match="token ids"):
         run(engine.generate([10**6], SamplingParams(max_tokens=1)))
     run(engine.close())
+
+
+@pytest.mark.parametrize("ids", [[0, 5], [6], [5, -1], [2**32], [-(2**40)], [True, 5], [np.int64(6)], [1.5]])
+def test_token_id_range_check_answers_as_min_and_max_did(ids):
+    assert _out_of_range(ids, 6) == (min(ids) < 0 or max(ids) >= 6)
 
 
 def test_in_memory_model_is_copied_and_matches(family_dirs):

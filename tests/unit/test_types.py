@@ -66,3 +66,20 @@ def test_any_legal_sampling_params_is_a_legal_wire_item():
 def test_every_sampling_field_is_bounded_above_and_nan_is_refused(fields, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("seed", [None, 0, 7, MAX_SEED])
+def test_with_seed_is_replace_of_the_seed_alone(seed):
+    params = SamplingParams(max_tokens=9, temperature=GREEDY_EPS / 2, top_k=3, stop_token_ids=(4, 5), stop=("x",), seed=1, top_logprobs=2)
+    copy = params.with_seed(seed)
+    assert copy == dataclasses.replace(params, seed=seed) and type(copy) is SamplingParams
+    assert all(getattr(copy, f.name) is getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "seed")
+
+
+@pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, float("nan")])
+def test_with_seed_refuses_what_replace_refuses_with_its_message(seed):
+    with pytest.raises(ValueError) as replaced:
+        dataclasses.replace(SamplingParams(), seed=seed)
+    with pytest.raises(ValueError) as seeded:
+        SamplingParams().with_seed(seed)
+    assert str(seeded.value) == str(replaced.value)

@@ -7,7 +7,6 @@ trained, and the pipeline counts it in its metrics.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Any
 
@@ -25,7 +24,7 @@ async def play_group(
     """G rollouts of `example`; rollout g samples with seed `seed + g`, so a run is reproducible."""
     params = with_turn_stop(params, multi_turn) if multi_turn is not None else params
     plays = [
-        play(example, prompt_ids, generator=generator, params=dataclasses.replace(params, seed=seed + g), tokenizer=tokenizer, multi_turn=multi_turn)
+        play(example, prompt_ids, generator=generator, params=params.with_seed(seed + g), tokenizer=tokenizer, multi_turn=multi_turn)
         for g in range(group_size)
     ]
     try:

@@ -24,6 +24,8 @@ from tandemrl.types import Message
 _MARK = "@@tandem-turn@@"  # content of the stand-in assistant message the delta is cut after
 _TURNS = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 DELTA_CACHE_SIZE = 4096  # distinct environment answers whose token delta is kept
+# json.dumps(messages, default=repr) without building an encoder every call (~2 us of ~5.5, per answer)
+_delta_key = json.JSONEncoder(default=repr).encode
 _STAND_INS = ([{"role": "system", "content": "s"}, *_TURNS], _TURNS)  # the second for templates without a system role
 
 
@@ -113,7 +115,7 @@ class ChatFormat:
         "\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"
         """
         sampled_end = last_sampled_id is not None and last_sampled_id == self.end_of_turn_id
-        key = (json.dumps(messages, default=repr), sampled_end)  # key order kept: a template may iterate a dict
+        key = (_delta_key(messages), sampled_end)  # key order kept: a template may iterate a dict
         ids = self._deltas.get(key)
         if ids is None:
             text = self._after_mark(messages, True, self._tools)

@@ -12,12 +12,13 @@ Padded rows (active 0) sit at position 0 of the scratch block 0 and never advanc
 
 from __future__ import annotations
 
+import array
 import operator
 
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import DecodeMetadata, GatherMetadata, decode_gather_metadata
+from tandemrl.generation.engine.layers.attention import DecodeMetadata, GatherMetadata, decode_gather_metadata, int_tensor, padded_tables
 from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sampling_rows
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -97,15 +98,11 @@ class DecodeState:
     def _write_all(self, seqs: list[Sequence], rows: int) -> None:
         pad = rows - len(seqs)
         top_k, floats, self.needs_filter = sampling_rows([s.params for s in seqs], self.vocab_size, pad=pad)
-        ints = [
-            [s.token_ids[-1] for s in seqs] + [0] * pad,
-            [s.num_tokens - 1 for s in seqs] + [0] * pad,
-            [s.num_tokens for s in seqs] + [1] * pad,
-            [s.seed for s in seqs] + [0] * pad,
-            [1] * len(seqs) + [0] * pad,
-            top_k,
-        ]
-        _stage(self._host_ints, torch.tensor(ints), self.ints[:, :rows])
+        ints = array.array("q", [s.token_ids[-1] for s in seqs])
+        for row in ([0] * pad, [s.num_tokens - 1 for s in seqs], [0] * pad, [s.num_tokens for s in seqs], [1] * pad,
+                    [s.seed for s in seqs], [0] * pad, [1] * len(seqs), [0] * pad, top_k):  # fmt: skip
+            ints.extend(row)
+        _stage(self._host_ints, int_tensor(ints).view(6, rows), self.ints[:, :rows])
         _stage(self._host_floats, torch.tensor(floats, dtype=torch.float32), self.floats[:, :rows])
         self._write_tables(seqs, rows)
         self.seqs, self.rows = list(seqs), rows
@@ -115,9 +112,8 @@ class DecodeState:
         # widest table's columns are written; a padded row's column 0 must be the scratch block 0
         self.num_table_entries = [len(s.block_table) for s in seqs]
         width = max(self.num_table_entries, default=1) or 1
-        zeros = [0] * width
-        flat = [b for s in seqs for b in s.block_table + zeros[len(s.block_table) :]] + [0] * ((rows - len(seqs)) * width)
-        _stage(self._host_tables, torch.tensor(flat, dtype=torch.int32).view(rows, width), self.block_tables[:rows, :width])
+        tables = padded_tables([s.block_table for s in seqs] + [[0]] * (rows - len(seqs)), torch.int32) if rows else torch.zeros(0, width, dtype=torch.int32)
+        _stage(self._host_tables, tables, self.block_tables[:rows, : tables.shape[1]])
 
     # --- read inside the step (and captured in the CUDA graph) ---------------------------------------
     def metadata(self, rows: int, block_size: int, *, gather: bool) -> GatherMetadata | DecodeMetadata:

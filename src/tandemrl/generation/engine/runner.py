@@ -11,14 +11,16 @@ the host's only per-step work is the replay and one wait for the sampled ids and
 
 from __future__ import annotations
 
+import array
 import operator
 import time
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, flash_varlen_available, padded_tables, token_positions, varlen_metadata
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, flash_varlen_available, int_tensor, padded_tables, token_positions, varlen_metadata
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
@@ -27,6 +29,21 @@ from tandemrl.generation.engine.sequence import Sequence
 
 
 HOST = torch.device("cpu")
+
+
+def padded_num_tokens(num_tokens: int) -> int:
+    """The row count a GPU prefill runs its N tokens as: the next power of two up to 256, then the next
+    multiple of 256. cuBLAS picks its kernels per matrix shape on the host and caches the choice, and a
+    training step's prefill has an N of its own each time; padded, a run meets a few dozen shapes. Measured
+    (bench/prefill.py, H200, 0.5B, a new N every round): median launch host time 15.6 -> 13.5 ms; a fresh
+    process's first prefills of new shapes took up to ~25 ms more (bench/RESULTS.md). The padding costs at
+    most 255 rows of compute (1.6% of a 16k prefill).
+
+    Example: 5 -> 16, 200 -> 256, 257 -> 512, 16360 -> 16384
+    """
+    if num_tokens <= 256:
+        return max(16, 1 << (num_tokens - 1).bit_length())
+    return -(-num_tokens // 256) * 256
 
 
 def _tensor_fields(meta) -> dict[str, Tensor]:
@@ -97,6 +114,7 @@ class ModelRunner:
         # flash attention takes 16-bit inputs only; float32 (the tests' GPU-vs-CPU runs) keeps the gather path
         dtype = model.model.embed_tokens.weight.dtype
         self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and flash_varlen_available()
+        self.pad_prefills = True  # varlen prefills run padded_num_tokens rows (bench/prefill.py turns it off for its baseline)
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
@@ -203,11 +221,13 @@ class ModelRunner:
         tables = [s.block_table for s, _ in computing]
         meta = None if self.varlen_prefill else build_gather_metadata(query_lens, context_lens, tables, self.block_size, HOST)
         sampling = self._sampling_tensors(batch.seqs)
-        inputs = {
-            "ids": torch.tensor([t for seq, n in computing for t in seq.token_ids[seq.num_tokens - n :]]),
-            "qlens": torch.tensor(query_lens),
-            "lens": torch.tensor(context_lens),
-        }
+        num_tokens = sum(query_lens)
+        padding = padded_num_tokens(num_tokens) - num_tokens if self.varlen_prefill and self.pad_prefills else 0
+        ids = array.array("q")
+        for seq, n in computing:
+            ids.extend(seq.token_ids[seq.num_tokens - n :])
+        ids.extend([0] * padding)
+        inputs = {"ids": int_tensor(ids), "qlens": int_tensor(query_lens), "lens": int_tensor(context_lens)}
         if self.varlen_prefill:
             inputs["tables"] = padded_tables(tables)
         if len(computing) != len(batch.seqs):
@@ -222,12 +242,14 @@ class ModelRunner:
         if self.is_cuda:
             self._events[slot][3].record()
         qlens, lens = inputs["qlens"], inputs["lens"]
-        positions = token_positions(qlens, lens, sum(query_lens))  # [N]
+        positions = token_positions(qlens, lens, num_tokens)  # [N]
         if meta is None:
             meta = varlen_metadata(qlens, lens, inputs["tables"], positions, self.block_size, max_q=max(query_lens), max_k=max(context_lens), num_keys=sum(context_lens))
         else:
             meta = replace(meta, **meta_fields)
-        hidden = self.model(inputs["ids"], positions, meta)  # [N, E]
+        if padding:  # padded rows sit at position 0 and write their KV into slot 0 (the scratch block's)
+            positions, meta.slot_mapping = F.pad(positions, (0, padding)), F.pad(meta.slot_mapping, (0, padding))
+        hidden = self.model(inputs["ids"], positions, meta)  # [N (+ padding), E]
         logits = self.model.compute_logits(hidden[torch.cumsum(qlens, 0) - 1])  # [B_computing, V]: each sequence's last token
         if batch.block_copies:
             self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))

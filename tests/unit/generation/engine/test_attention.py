@@ -54,7 +54,9 @@ def test_varlen_metadata_means_the_same_attention_as_gather():
 
 
 def _reference_varlen_attention(q, k_cache, v_cache, meta):
-    """What flash attention's varlen form computes (bottom-right causal, GQA), per sequence, on any device."""
+    """What flash attention's varlen form computes (bottom-right causal, GQA), per sequence, on any device;
+    rows of q past the last sequence's (the runner's padding) come out as NaN, as flash leaves them unwritten:
+    a padded row that reached a real one would show."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = []
     for b in range(len(meta.cu_seq_q) - 1):
@@ -64,7 +66,8 @@ def _reference_varlen_attention(q, k_cache, v_cache, meta):
         vs = v_cache[ctx].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         mask = torch.arange(ks.shape[1])[None, :] <= torch.arange(qs.shape[1])[:, None] + (ks.shape[1] - qs.shape[1])
         out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
-    return torch.cat(out)
+    out = torch.cat(out)
+    return torch.cat((out, out.new_full((len(q) - len(out), *out.shape[1:]), float("nan"))))
 
 
 def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path):
@@ -93,9 +96,28 @@ def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_mean
     outputs = {}
     for varlen in (True, False):
         engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8, max_model_len=128))
-        engine.runner.varlen_prefill = varlen
+        engine.runner.varlen_prefill = varlen  # varlen: each prefill's rows padded (padded_num_tokens), as on a GPU
         outputs[varlen] = asyncio.run(two_turns(engine))
         assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
     for (ids, logprobs), (expected_ids, expected_logprobs) in zip(outputs[True], outputs[False]):
         assert ids == expected_ids
         assert all(abs(a - b) < 1e-4 for a, b in zip(logprobs, expected_logprobs))
+
+
+def test_int_tensor_and_padded_tables_are_torch_tensor_of_the_same_values():
+    from tandemrl.generation.engine.layers.attention import int_tensor, padded_tables
+
+    assert int_tensor([3, -1, 2**40]).tolist() == [3, -1, 2**40] and int_tensor([]).shape == (0,)
+    assert int_tensor([3, 1], torch.int32).dtype == torch.int32
+    tables = [[5, 2], [7], [1, 9, 4]]
+    for dtype in (torch.int64, torch.int32):
+        got = padded_tables(tables, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor([[5, 2, 0], [7, 0, 0], [1, 9, 4]], dtype=dtype))
+
+
+def test_padded_num_tokens_is_the_docstring_and_never_less():
+    from tandemrl.generation.engine.runner import padded_num_tokens
+
+    assert [padded_num_tokens(n) for n in (1, 5, 16, 17, 200, 256, 257, 16360, 16384)] == [16, 16, 16, 32, 256, 256, 512, 16384, 16384]
+    assert all(n <= padded_num_tokens(n) < n + 256 or n <= 16 for n in range(1, 5000))
+    assert len({padded_num_tokens(n) for n in range(1, 16385)}) == 5 + 63  # powers of two to 256, then multiples of 256

@@ -14,7 +14,9 @@ sequence).
 
 from __future__ import annotations
 
+import array
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,7 @@ class VarlenMetadata:
     packed_key_slots: Tensor  # [sum of context lengths] cache slot of each context position
     max_q: int
     max_k: int
+    num_queries: int  # N: rows past it are the runner's padding (runner.padded_num_tokens)
 
 
 @dataclass(slots=True)
@@ -74,7 +77,10 @@ def paged_attention(
 
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
         case VarlenMetadata():
-            return varlen_attention(q, k_cache, v_cache, meta)
+            out = varlen_attention(q, k_cache, v_cache, meta)
+            if len(q) > meta.num_queries:  # padded rows: zeros, not what flash left there (their KV lands in the scratch slot 0)
+                out[meta.num_queries :] = 0
+            return out
         case GatherMetadata():
             return gather_attention(q, k_cache, v_cache, meta)
 
@@ -163,10 +169,28 @@ def build_varlen_metadata(
     return varlen_metadata(qlens, lens, tables, positions, block_size, max_q=max(query_lens), max_k=max(context_lens), num_keys=sum(context_lens))
 
 
-def padded_tables(block_tables: list[list[int]]) -> Tensor:
-    """[B, M] int64 on the host, each table padded with block 0 to the longest."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+def int_tensor(values: Iterable[int] | array.array, dtype: torch.dtype = torch.int64) -> Tensor:
+    """A 1-D host tensor of `values` (an array.array of the dtype's typecode is taken as is, no copy).
+    Through array.array: ~10x faster than torch.tensor on a list of ints (~5 ms for a prefill's 16k ids).
+
+    Example: int_tensor([3, 1], torch.int32) -> tensor([3, 1], dtype=torch.int32)
+    """
+    typecode = _TYPECODES[dtype]
+    values = values if isinstance(values, array.array) and values.typecode == typecode else array.array(typecode, values)
+    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def padded_tables(block_tables: list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
+    """[B, M] on the host, each table padded with block 0 to the longest."""
+    width = max(map(len, block_tables))
+    flat, zeros = array.array(_TYPECODES[dtype]), [0] * width
+    for table in block_tables:
+        flat.extend(table)
+        flat.extend(zeros[len(table) :])
+    return int_tensor(flat, dtype).view(len(block_tables), width)
 
 
 def token_positions(query_lens: Tensor, context_lens: Tensor, num_tokens: int) -> Tensor:
@@ -198,6 +222,7 @@ def varlen_metadata(
         packed_key_slots=block_tables[k_owner, k_positions // block_size].to(torch.int64) * block_size + k_positions % block_size,
         max_q=max_q,
         max_k=max_k,
+        num_queries=len(positions),
     )
 
 

@@ -1,4 +1,4 @@
-"""The engine's GPU path (Triton decode attention, fused sampler, CUDA graphs) against its CPU path."""
+"""The engine's GPU path (Triton decode and paged prefill attention, fused sampler, CUDA graphs) against its CPU path."""
 
 from __future__ import annotations
 
@@ -92,27 +92,63 @@ def test_varlen_prefill_matches_gather_attention(query_lens, context_lens):
 
 
 @cuda
-def test_bfloat16_engine_gives_the_same_tokens_on_both_prefill_paths(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, query_lens, context_lens",
+    [
+        (14, 2, 64, [100, 1, 37, 300, 16], [100, 128, 80, 300, 17]),  # whole prompts, and cached prefixes longer than what is computed
+        (14, 2, 64, [1, 1, 1], [40, 129, 7]),  # one query each
+        (12, 2, 128, [64] * 40 + [700], [400] * 40 + [1500]),  # the 1.5B shape's heads; many next turns and one long prompt
+        (4, 4, 32, [50, 3], [90, 3]),  # no GQA: 128 queries a tile
+    ],
+)
+def test_paged_prefill_kernel_matches_gather_attention(dtype, heads, kv_heads, dim, query_lens, context_lens):
+    from tandemrl.generation.engine.layers.attention import build_paged_prefill_metadata, prefill_tile_queries
+    from tandemrl.generation.engine.layers.attention_kernel import prefill_attention
+
+    torch.manual_seed(4)
+    block = 16
+    num_blocks = sum(-(-n // block) for n in context_lens) + 8
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = _random_tables(context_lens, block, num_blocks)
+    q = torch.randn(sum(query_lens), heads, dim, device="cuda", dtype=dtype)
+    gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cuda"))
+    paged = build_paged_prefill_metadata(query_lens, context_lens, tables, block, torch.device("cuda"), tile_queries=prefill_tile_queries(heads, kv_heads))
+    expected = gather_attention(q.double(), k_cache.double(), v_cache.double(), gather)
+    got = prefill_attention(q, k_cache, v_cache, paged)
+    assert not got.isnan().any()
+    error = (got.double() - expected).norm() / expected.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+@cuda
+@pytest.mark.parametrize("attention", ["paged", "flash"])
+def test_bfloat16_engine_gives_the_same_tokens_on_the_prefill_paths_as_the_gather_path(tmp_path, attention):
     from tandemrl.tasks.tiny import save_tiny
 
-    if not flash_varlen_available():
-        pytest.skip(f"torch {torch.__version__} has no flash attention: the engine prefills on the gather path")
+    if attention == "flash" and not flash_varlen_available():
+        pytest.skip(f"torch {torch.__version__} has no flash attention")
     model_dir = save_tiny(str(tmp_path), seed=2)
-    # four prompts of their own, and a group of four sharing one (prefilled once: the others compute less)
+    # four prompts of their own, and a group of four sharing one (prefilled once: the others compute less);
+    # then a second turn of each over its cached first (the paged kernel reads the cached prefix in place)
     prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)] + [[7, 8, 9, 10] * 10] * 4
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = {}
     for varlen in (True, False):
         engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
-        engine.runner.varlen_prefill = varlen
+        engine.runner.varlen_prefill, engine.runner.paged_prefill = varlen, attention == "paged"
 
-        async def all_requests(engine=engine):
-            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        async def two_turns(engine=engine):
+            first = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            second = await asyncio.gather(*(engine.generate(p + c.token_ids + [11, 12, 13], params) for p, c in zip(prompts, first)))
+            return first + second
 
-        outputs[varlen] = run(all_requests())
+        outputs[varlen] = run(two_turns())
+        assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
         run(engine.close())
     matches = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
-    assert matches >= len(prompts) - 1  # bfloat16: a near-tie may flip one
+    assert matches >= 2 * len(prompts) - 2  # bfloat16: a near-tie may flip one
     for a, b in zip(outputs[True], outputs[False]):
         assert abs(a.logprobs[0] - b.logprobs[0]) < 5e-2
 
@@ -207,7 +243,7 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
     model_dir = save_tiny(str(tmp_path), seed=2)
     engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
     assert engine.runner.graphs
-    assert engine.runner.varlen_prefill == flash_varlen_available()  # bfloat16 prefills on varlen where torch has flash attention
+    assert engine.runner.varlen_prefill and engine.runner.paged_prefill  # bfloat16 prefills through the paged kernel
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     before = run(engine.generate([5, 6, 7, 8], params))
     run(engine.sleep(2))

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, flash_varlen_available, int_tensor, padded_tables, token_positions, varlen_metadata
+from tandemrl.generation.engine.layers.attention import (
+    build_gather_metadata, int_tensor, paged_prefill_metadata, padded_tables, prefill_tile_queries, token_positions, varlen_metadata,
+)  # fmt: skip
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
@@ -111,10 +113,16 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
-        # flash attention takes 16-bit inputs only; float32 (the tests' GPU-vs-CPU runs) keeps the gather path
+        # the 16-bit GPU prefill (metadata built on the device, padded rows); float32 (the tests' GPU-vs-CPU
+        # runs) keeps the gather path
         dtype = model.model.embed_tokens.weight.dtype
-        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16) and flash_varlen_available()
+        self.varlen_prefill = self.is_cuda and dtype in (torch.float16, torch.bfloat16)
+        # its attention: the Triton kernel that reads the paged cache (True), or torch's flash attention over
+        # each layer's context copied out of it first (False: bench/prefill.py's baseline, where torch has flash)
+        self.paged_prefill = True
         self.pad_prefills = True  # varlen prefills run padded_num_tokens rows (bench/prefill.py turns it off for its baseline)
+        attn = model.model.layers[0].self_attn
+        self.tile_queries = prefill_tile_queries(attn.num_heads, attn.num_kv_heads)
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
@@ -243,7 +251,9 @@ class ModelRunner:
             self._events[slot][3].record()
         qlens, lens = inputs["qlens"], inputs["lens"]
         positions = token_positions(qlens, lens, num_tokens)  # [N]
-        if meta is None:
+        if meta is None and self.paged_prefill:
+            meta = paged_prefill_metadata(qlens, lens, inputs["tables"], positions, self.block_size, tile_queries=self.tile_queries)
+        elif meta is None:
             meta = varlen_metadata(qlens, lens, inputs["tables"], positions, self.block_size, max_q=max(query_lens), max_k=max(context_lens), num_keys=sum(context_lens))
         else:
             meta = replace(meta, **meta_fields)

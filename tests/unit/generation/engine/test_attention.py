@@ -1,11 +1,16 @@
-"""Attention metadata: the varlen path's packed metadata describes the same attention as the gather path's."""
+"""Attention metadata: the varlen path's packed metadata and the paged prefill's tiles describe the same
+attention as the gather path's."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tandemrl.generation.engine.layers.attention import build_gather_metadata, build_varlen_metadata, gather_attention
+import pytest
+
+from tandemrl.generation.engine.layers.attention import (
+    build_gather_metadata, build_paged_prefill_metadata, build_varlen_metadata, gather_attention, prefill_tile_queries,
+)  # fmt: skip
 
 # (query_lens, context_lens): whole prompts, a cached prefix (the queries are the last of the context), one query
 CASES = [([2, 1], [2, 3]), ([5, 1, 7, 3], [5, 9, 7, 12])]
@@ -70,10 +75,57 @@ def _reference_varlen_attention(q, k_cache, v_cache, meta):
     return torch.cat((out, out.new_full((len(q) - len(out), *out.shape[1:]), float("nan"))))
 
 
-def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path):
-    """The varlen path's inputs (lengths and block tables; positions and slots computed from them where the
-    model runs) give the tokens of the gather path: two turns, the second over the first's cached blocks,
-    and a group sharing one prompt (followers). On CPU, with the reference attention in place of flash."""
+def _reference_paged_prefill_attention(q, k_cache, v_cache, meta):
+    """What the paged prefill kernel computes, tile by tile as its grid does (each tile's queries of one
+    sequence read their context through its block table): rows no tile covers stay NaN, so a query the
+    tiles miss, or a padded row that reached a real one, would show."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = q.new_full(q.shape, float("nan"))
+    for b, first in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()):
+        if b >= len(meta.context_lens):
+            continue
+        start, end, ctx = int(meta.cu_seq_q[b]), int(meta.cu_seq_q[b + 1]), int(meta.context_lens[b])
+        rows = torch.arange(start + first, min(start + first + meta.tile_queries, end))
+        assert out[rows].isnan().all(), "two tiles compute one query"
+        positions = torch.arange(ctx)
+        slots = meta.block_tables[b, positions // meta.block_size] * meta.block_size + positions % meta.block_size
+        ks = k_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, C, D]
+        vs = v_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        query_positions = ctx - (end - start) + (rows - start)
+        mask = positions[None, :] <= query_positions[:, None]
+        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=mask).transpose(0, 1)
+    return out
+
+
+def test_paged_prefill_tiles_cover_every_query_once_and_mean_the_gather_attention():
+    torch.manual_seed(1)
+    block, dim = 4, 8
+    for heads, kv_heads in ((4, 2), (14, 2), (4, 4)):
+        for query_lens, context_lens in CASES + [([40, 3, 17], [45, 3, 60])]:
+            tables = _tables(context_lens, block)
+            gather = build_gather_metadata(query_lens, context_lens, tables, block, torch.device("cpu"))
+            paged = build_paged_prefill_metadata(query_lens, context_lens, tables, block, torch.device("cpu"), tile_queries=prefill_tile_queries(heads, kv_heads))
+            assert paged.slot_mapping.tolist() == gather.slot_mapping.tolist()
+            slots = 4 * sum(len(t) for t in tables) + 8
+            k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+            q = torch.randn(sum(query_lens), heads, dim)
+            got = _reference_paged_prefill_attention(q, k_cache, v_cache, paged)
+            assert torch.allclose(got, gather_attention(q, k_cache, v_cache, gather), atol=1e-5)
+
+
+def test_paged_prefill_metadata_is_the_docstring_example():
+    meta = build_paged_prefill_metadata([20, 3], [20, 7], [[1, 2, 3, 4, 5], [6, 7]], 4, torch.device("cpu"), tile_queries=16)
+    real = [(b, s) for b, s in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()) if b < 2]
+    assert real == [(0, 0), (0, 16), (1, 0)] and len(meta.tile_seqs) == 4
+    assert [prefill_tile_queries(h, k) for h, k in ((14, 2), (12, 2), (32, 8), (4, 4), (64, 2))] == [16, 16, 32, 128, 16]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "flash"])
+def test_the_runner_builds_prefill_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path, paged):
+    """The 16-bit GPU prefill's inputs (lengths and block tables; positions, slots and the paged kernel's
+    tiles computed from them where the model runs) give the tokens of the gather path: two turns, the second
+    over the first's cached blocks, and a group sharing one prompt (followers). On CPU, with a reference
+    attention in place of the Triton kernel (paged) or of flash."""
     import asyncio
 
     from tandemrl.generation.base import EngineConfig
@@ -83,6 +135,7 @@ def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_mean
     from tandemrl.types import SamplingParams
 
     monkeypatch.setattr(attention, "varlen_attention", _reference_varlen_attention)
+    monkeypatch.setattr(attention, "paged_prefill_attention", _reference_paged_prefill_attention)
     model_dir = save_tiny(str(tmp_path), seed=3)
     prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)] + [[7, 8, 9] * 7] * 3
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
@@ -97,6 +150,7 @@ def test_the_runner_builds_varlen_metadata_on_the_device_as_the_gather_path_mean
     for varlen in (True, False):
         engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8, max_model_len=128))
         engine.runner.varlen_prefill = varlen  # varlen: each prefill's rows padded (padded_num_tokens), as on a GPU
+        engine.runner.paged_prefill = paged
         outputs[varlen] = asyncio.run(two_turns(engine))
         assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
     for (ids, logprobs), (expected_ids, expected_logprobs) in zip(outputs[True], outputs[False]):

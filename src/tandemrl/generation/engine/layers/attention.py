@@ -5,11 +5,13 @@ H query heads, K key/value heads, D head dim.
 
 Every layer writes the KV of all N tokens before any query reads, so a sequence may read blocks that
 another sequence of the same step is filling (prefix sharing inside one prefill batch).
-Three read paths, each with its own metadata type: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and
-float32 prefill on GPU), `varlen` (GPU prefill in 16-bit: each sequence's context packed without
-padding, then torch's variable-length flash attention, causal from the bottom right so a sequence whose
-prefix is cached attends to all of it) and the Triton paged decode kernel (GPU decode, one query per
-sequence).
+Four read paths, each with its own metadata type: `gather` (pure PyTorch: gather each sequence's context, masked SDPA; CPU, and
+float32 prefill on GPU), `paged prefill` (GPU prefill in 16-bit, the default: a Triton kernel reads each
+sequence's context through its block table straight from the cache, in tiles of one sequence's queries,
+causal from the bottom right so a sequence whose prefix is cached attends to all of it), `varlen` (the
+same prefill through torch's variable-length flash attention, which needs each layer's context copied
+out of the cache first: kept as the baseline bench/prefill.py measures against) and the Triton paged
+decode kernel (GPU decode, one query per sequence).
 """
 
 from __future__ import annotations
@@ -49,6 +51,23 @@ class VarlenMetadata:
 
 
 @dataclass(slots=True)
+class PagedPrefillMetadata:
+    """GPU prefill in 16-bit: the Triton kernel reads each sequence's context through its block table.
+    Query tiles: tile t computes queries tile_starts[t] .. + tile_queries of sequence tile_seqs[t]; tiles
+    whose sequence is B (past the last) are spare (their count is known on the host, without a sync)."""
+
+    slot_mapping: Tensor  # [N] int64 cache slot of each new token
+    cu_seq_q: Tensor  # [B+1] int32 start of each sequence's queries in N
+    context_lens: Tensor  # [B] int32 positions each sequence has, its new tokens included
+    block_tables: Tensor  # [B, M] block of each sequence's every block_size positions
+    tile_seqs: Tensor  # [T] int32
+    tile_starts: Tensor  # [T] int32
+    block_size: int
+    tile_queries: int
+    num_queries: int  # N: rows past it are the runner's padding (runner.padded_num_tokens)
+
+
+@dataclass(slots=True)
 class DecodeMetadata:
     """GPU decode: one query per sequence, read through its block table by the Triton kernel."""
 
@@ -60,7 +79,7 @@ class DecodeMetadata:
 
 # Where this step's tokens sit in the cache: built once per step by the runner, read by every layer;
 # its type is the read path.
-AttentionMetadata = GatherMetadata | VarlenMetadata | DecodeMetadata
+AttentionMetadata = GatherMetadata | PagedPrefillMetadata | VarlenMetadata | DecodeMetadata
 
 
 def paged_attention(
@@ -76,6 +95,11 @@ def paged_attention(
             from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
+        case PagedPrefillMetadata():
+            out = paged_prefill_attention(q, k_cache, v_cache, meta)
+            if len(q) > meta.num_queries:  # padded rows: zeros, not what torch.empty held (their KV lands in the scratch slot 0)
+                out[meta.num_queries :] = 0
+            return out
         case VarlenMetadata():
             out = varlen_attention(q, k_cache, v_cache, meta)
             if len(q) > meta.num_queries:  # padded rows: zeros, not what flash left there (their KV lands in the scratch slot 0)
@@ -89,6 +113,13 @@ def paged_attention(
 def flash_varlen_available() -> bool:
     """Whether this torch was built with flash attention, whose variable-length form the GPU prefill calls."""
     return torch.backends.cuda.is_flash_attention_available()
+
+
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedPrefillMetadata) -> Tensor:
+    """The Triton kernel (attention_kernel.prefill_attention); rows past meta.num_queries are not written."""
+    from tandemrl.generation.engine.layers.attention_kernel import prefill_attention
+
+    return prefill_attention(q, k_cache, v_cache, meta)
 
 
 def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMetadata) -> Tensor:
@@ -224,6 +255,52 @@ def varlen_metadata(
         max_k=max_k,
         num_queries=len(positions),
     )
+
+
+def prefill_tile_queries(num_heads: int, num_kv_heads: int) -> int:
+    """Queries of one sequence a paged prefill program computes: 128 rows of (query, query head of one
+    key/value head's group, padded to a power of two), 16 queries at least. Example: 14 heads over 2 -> 16."""
+    group_rows = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    return max(16, 128 // group_rows)
+
+
+def paged_prefill_metadata(
+    query_lens: Tensor, context_lens: Tensor, block_tables: Tensor, positions: Tensor, block_size: int, *, tile_queries: int
+) -> PagedPrefillMetadata:
+    """PagedPrefillMetadata from tensors on their device ([B] lengths, [B, M] tables, [N] positions from
+    token_positions), without a sync: the tile grid is sized for the worst case, ceil(N / tile_queries) + B.
+
+    Example: query_lens [20, 3], tile_queries 16 -> tiles (sequence, first query) (0, 0), (0, 16), (1, 0), then 1 spare
+    """
+    num_seqs, num_tokens = len(query_lens), len(positions)
+    rows = torch.arange(num_seqs, device=query_lens.device)
+    q_owner = torch.repeat_interleave(rows, query_lens, output_size=num_tokens)  # [N] sequence of each new token
+    num_tiles = (query_lens + tile_queries - 1) // tile_queries  # [B]
+    tile_ends = torch.cumsum(num_tiles, 0)
+    tiles = torch.arange(-(-num_tokens // tile_queries) + num_seqs, device=query_lens.device)  # [T]
+    tile_seqs = torch.searchsorted(tile_ends, tiles, right=True)  # B past the last tile
+    first_tile = (tile_ends - num_tiles)[tile_seqs.clamp(max=num_seqs - 1)]
+    return PagedPrefillMetadata(
+        slot_mapping=block_tables[q_owner, positions // block_size].to(torch.int64) * block_size + positions % block_size,
+        cu_seq_q=F.pad(torch.cumsum(query_lens, 0), (1, 0)).to(torch.int32),
+        context_lens=context_lens.to(torch.int32),
+        block_tables=block_tables,
+        tile_seqs=tile_seqs.to(torch.int32),
+        tile_starts=((tiles - first_tile) * tile_queries).to(torch.int32),
+        block_size=block_size,
+        tile_queries=tile_queries,
+        num_queries=num_tokens,
+    )
+
+
+def build_paged_prefill_metadata(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device, *, tile_queries: int = 16
+) -> PagedPrefillMetadata:
+    """As build_varlen_metadata, for the paged prefill kernel (the same slot_mapping)."""
+    qlens, lens = torch.tensor(query_lens, device=device), torch.tensor(context_lens, device=device)
+    positions = token_positions(qlens, lens, sum(query_lens))
+    tables = padded_tables(block_tables).to(device)
+    return paged_prefill_metadata(qlens, lens, tables, positions, block_size, tile_queries=tile_queries)
 
 
 def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapping: Tensor, block_size: int) -> GatherMetadata:

@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--block_size", type=int, default=EngineConfig.block_size, help="tokens a KV block (EngineSettings): fewer blocks, less host work a sequence")
     parser.add_argument("--paged_prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill attention through the paged Triton kernel (the engine's default), or torch's flash attention over copied-out context")
+    parser.add_argument("--graph_prefills", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill forwards replayed from CUDA graphs of their padded row counts (the engine's default), or launched eagerly")
     parser.add_argument("--frozen_heap", action=argparse.BooleanOptionalAction, default=True, help="freeze the heap after setup, as tandem train does")
     parser.add_argument("--switch_interval_ms", type=float, default=0.0,
                         help="the interpreter's thread switch interval (sys.setswitchinterval; 0 = Python's 5 ms): how long the engine thread may wait for the GIL while the event loop runs")
@@ -335,10 +337,12 @@ def main() -> None:
     engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048, prefill_wait_steps=args.prefill_wait_steps,
                                  overlap_prefills=args.overlap_prefills, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size),
                     model=model, tokenizer=tokenizer)
+    # prefill graphs replay the paged kernel's forward: with flash (--no-paged_prefill) prefills run eagerly
     engine.runner.paged_prefill = args.paged_prefill
+    engine.runner.graph_prefills = args.graph_prefills and args.paged_prefill and engine.runner.graph_prefills
     config = {"shape": shape, "num_prompts": num_prompts, "group_size": group_size, "turn_tokens": turn_tokens, "num_turns": NUM_TURNS, "tool_ms": 50,
               "prefill_wait_steps": args.prefill_wait_steps, "overlap_prefills": args.overlap_prefills, "warm_up_turns": args.warm_up_turns,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size, "paged_prefill": args.paged_prefill, "frozen_heap": args.frozen_heap, "switch_interval_ms": args.switch_interval_ms}  # fmt: skip
+              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size, "paged_prefill": args.paged_prefill, "graph_prefills": engine.runner.graph_prefills, "frozen_heap": args.frozen_heap, "switch_interval_ms": args.switch_interval_ms}  # fmt: skip
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     with frozen_heap() if args.frozen_heap else contextlib.nullcontext():

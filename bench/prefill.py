@@ -7,6 +7,9 @@ runner.padded_num_tokens) against the exact count. Each round submits 256 prompt
 (one prefill step of ~14k tokens, max_tokens 1, no prefix hits). Exact counts are new to cuBLAS every round
 (it picks a kernel per new matmul shape, on the host); padded counts fall in a few multiples of 256.
 
+--compare graphs: the prefill's forward replayed from a CUDA graph of its padded row count (the default,
+prefill_graphs.py: captured at a count's second use) against launched eagerly, op by op.
+
 --compare attention: the paged prefill kernel (the default: it reads each sequence's context through its
 block table, in the cache) against torch's flash attention over each layer's context copied out of the
 cache. With --next_turns each round is what a multi-turn boundary prefills: 256 conversations of 256-448
@@ -19,6 +22,7 @@ and the ratio line.
 
     python bench/prefill.py                                         # H200: 0.5B shape (about 1 minute)
     python bench/prefill.py --compare attention --next_turns        # H200: the multi-turn boundary's prefill
+    python bench/prefill.py --compare graphs --next_turns           # H200: the same, graphed against eager
     python bench/prefill.py --toy --device cpu --rounds 2 --warmup 1   # CPU check (no padding on CPU: same path twice)
 """
 
@@ -77,7 +81,8 @@ def main() -> None:
     parser.add_argument("--num_prompts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--compare", choices=("padding", "attention"), default="padding", help="padded against exact rows, or the paged prefill kernel against flash")
+    parser.add_argument("--compare", choices=("padding", "attention", "graphs"), default="padding",
+                        help="padded against exact rows, the paged prefill kernel against flash, or graphed prefills against eager")
     parser.add_argument("--next_turns", action="store_true", help="time next turns over cached contexts (a multi-turn boundary's prefill)")
     args = parser.parse_args()
     shape = "toy" if args.toy else "0.5b"
@@ -86,11 +91,18 @@ def main() -> None:
     engine = Engine(EngineConfig(device=args.device, gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=2048), model=model, tokenizer=build_tokenizer())
     rng = random.Random(0)
     runner = engine.runner
+    if args.compare != "padding":  # both modes on the default padded rows; the graphs' own padded counts
+        runner.pad_prefills = True
+    if args.compare == "graphs" and runner.prefill_graphs is None:
+        raise SystemExit("no prefill graphs here (they need CUDA, a 16-bit model and no tensor parallelism)")
+    if args.compare == "attention":
+        runner.graph_prefills = False  # the two attentions, each launched eagerly
     if args.compare == "attention" and runner.varlen_prefill and not flash_varlen_available():
         raise SystemExit(f"torch {torch.__version__} has no flash attention: nothing to compare the paged kernel with")
     # (ours, baseline): the mode names and how each sets the runner
     modes = {"padding": {"padded": ("pad_prefills", True), "exact": ("pad_prefills", False)},
-             "attention": {"paged": ("paged_prefill", True), "flash": ("paged_prefill", False)}}[args.compare]  # fmt: skip
+             "attention": {"paged": ("paged_prefill", True), "flash": ("paged_prefill", False)},
+             "graphs": {"graphed": ("graph_prefills", True), "eager": ("graph_prefills", False)}}[args.compare]  # fmt: skip
     rows = {mode: [] for mode in modes}
     for i in range(args.warmup + args.rounds):
         for mode, (attribute, value) in reversed(modes.items()):  # alternating: both meet the same machine state

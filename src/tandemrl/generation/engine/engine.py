@@ -100,6 +100,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 use_graphs=not config.enforce_eager,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
             )
             num_blocks = self._num_kv_blocks() if self.tp is None else self.tp.min(self._num_kv_blocks())  # the same on every rank
             self.blocks = BlockManager(num_blocks, config.block_size)
@@ -538,9 +539,11 @@ class Engine:
             return min(usable, max(2, config.kv_cache_tokens // config.block_size + 1))
         free, total = torch.cuda.mem_get_info(self.device)
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        # head room for activations: the largest prefill, and logits + sampler buffers of a full decode batch
+        # head room for activations: the largest prefill (twice with prefill graphs: their pool keeps one
+        # beside the eager path's), and logits + sampler buffers of a full decode batch
         hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
-        activations = config.max_num_batched_tokens * hidden * 4 + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
+        prefill = config.max_num_batched_tokens * hidden * 4 * (2 if self.runner.graph_prefills else 1)
+        activations = prefill + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
         budget = total * config.memory_fraction(colocated=False) - (total - free - reusable) - activations
         num_blocks = int(budget // self.runner.bytes_per_block())
         if num_blocks < self.max_model_len // config.block_size + 2:

@@ -4,7 +4,9 @@ Legend: B sequences sampled, N tokens computed, L layers, S cache slots, K kv he
 
 Owns the KV cache tensor [L, 2, S, K, D] (S = blocks * block_size). On CUDA, decode steps replay a
 CUDA graph captured at the smallest bucketed batch size >= B (padded rows write into the scratch
-block 0 and are discarded); prefill runs eagerly. On CPU everything is eager and pure PyTorch.
+block 0 and are discarded); a 16-bit prefill's forward replays a graph of its padded row count once that
+count has recurred (prefill_graphs.py; not under tensor parallelism), else runs eagerly. On CPU
+everything is eager and pure PyTorch.
 A decode step reads its inputs from the persistent DecodeState and samples inside the graph, so
 the host's only per-step work is the replay and one wait for the sampled ids and logprobs.
 """
@@ -24,6 +26,7 @@ from tandemrl.generation.engine.layers.attention import (
     build_gather_metadata, int_tensor, paged_prefill_metadata, padded_tables, prefill_tile_queries, token_positions, varlen_metadata,
 )  # fmt: skip
 from tandemrl.generation.engine.decode_state import DecodeState
+from tandemrl.generation.engine.prefill_graphs import PrefillGraphs
 from tandemrl.generation.engine.models import LlamaForCausalLM
 from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
@@ -105,8 +108,12 @@ class Launched:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int = 16384
+    ) -> None:
         self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = model.rope_cos_sin.device
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -123,6 +130,10 @@ class ModelRunner:
         self.pad_prefills = True  # varlen prefills run padded_num_tokens rows (bench/prefill.py turns it off for its baseline)
         attn = model.model.layers[0].self_attn
         self.tile_queries = prefill_tile_queries(attn.num_heads, attn.num_kv_heads)
+        # graphs of the paged prefill's forward (prefill_graphs.py): padded 16-bit prefills with CUDA graphs,
+        # not under tensor parallelism (a capture per rank at once, unproven); bench/prefill.py turns them off
+        self.graph_prefills = self.use_graphs and self.varlen_prefill and model.tp is None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
         self.kv_cache: Tensor | None = None
@@ -145,9 +156,17 @@ class ModelRunner:
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
         if self.use_graphs:
             self.capture_graphs()
+        if self.graph_prefills:
+            self.prefill_graphs = PrefillGraphs.allocate(
+                max_rows=padded_num_tokens(self.max_num_batched_tokens), max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
+                block_size=self.block_size, tile_queries=self.tile_queries, device=self.device,
+            )  # fmt: skip
 
     def free_kv_cache(self) -> None:
         self.graphs.clear()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.clear()
+        self.prefill_graphs = None
         self.state.reset()
         self._penalised = None
         for layer in self.model.model.layers:
@@ -250,6 +269,20 @@ class ModelRunner:
         if self.is_cuda:
             self._events[slot][3].record()
         qlens, lens = inputs["qlens"], inputs["lens"]
+        if self.graph_prefills and self.prefill_graphs is not None and self.varlen_prefill and self.paged_prefill and self.pad_prefills:
+            # the forward replayed from its row count's graph, or run on the graphs' buffers (prefill_graphs.py)
+            self.prefill_graphs.load(inputs["ids"], qlens, lens, inputs["tables"])
+            last = self.prefill_graphs.forward(self.model, num_tokens + padding)[: len(computing)]  # [B_computing, E]
+        else:
+            last = self._forward_eagerly(inputs, meta, meta_fields, query_lens, context_lens, padding)
+        logits = self.model.compute_logits(last)  # [B_computing, V]: each sequence's last token's
+        if batch.block_copies:
+            self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))
+        return (logits[inputs["rows"]] if "rows" in inputs else logits), sampling
+
+    def _forward_eagerly(self, inputs: dict[str, Tensor], meta, meta_fields: dict[str, Tensor], query_lens: list[int], context_lens: list[int], padding: int) -> Tensor:
+        """The prefill's forward launched op by op; the hidden state of each sequence's last token [B_computing, E]."""
+        qlens, lens, num_tokens = inputs["qlens"], inputs["lens"], sum(query_lens)
         positions = token_positions(qlens, lens, num_tokens)  # [N]
         if meta is None and self.paged_prefill:
             meta = paged_prefill_metadata(qlens, lens, inputs["tables"], positions, self.block_size, tile_queries=self.tile_queries)
@@ -260,10 +293,7 @@ class ModelRunner:
         if padding:  # padded rows sit at position 0 and write their KV into slot 0 (the scratch block's)
             positions, meta.slot_mapping = F.pad(positions, (0, padding)), F.pad(meta.slot_mapping, (0, padding))
         hidden = self.model(inputs["ids"], positions, meta)  # [N (+ padding), E]
-        logits = self.model.compute_logits(hidden[torch.cumsum(qlens, 0) - 1])  # [B_computing, V]: each sequence's last token
-        if batch.block_copies:
-            self.copy_blocks((inputs["copy_src"], inputs["copy_dst"]))
-        return (logits[inputs["rows"]] if "rows" in inputs else logits), sampling
+        return hidden[torch.cumsum(qlens, 0) - 1]
 
     def _to_device(self, tensors: list[Tensor]) -> list[Tensor]:
         return to_device_packed(tensors, self.device, pin_memory=True) if self.is_cuda else tensors

@@ -81,12 +81,14 @@ def _reference_paged_prefill_attention(q, k_cache, v_cache, meta):
     tiles miss, or a padded row that reached a real one, would show."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = q.new_full(q.shape, float("nan"))
+    if meta.num_queries is None:  # a prefill graph's: padded rows (past the last query) come out as zeros
+        out[int(meta.cu_seq_q[-1]) :] = 0
     for b, first in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()):
         if b >= len(meta.context_lens):
             continue
         start, end, ctx = int(meta.cu_seq_q[b]), int(meta.cu_seq_q[b + 1]), int(meta.context_lens[b])
         rows = torch.arange(start + first, min(start + first + meta.tile_queries, end))
-        assert out[rows].isnan().all(), "two tiles compute one query"
+        assert out[rows].isnan().all(), "two tiles compute one query, or a tile a padded row"
         positions = torch.arange(ctx)
         slots = meta.block_tables[b, positions // meta.block_size] * meta.block_size + positions % meta.block_size
         ks = k_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, C, D]
@@ -118,24 +120,32 @@ def test_paged_prefill_metadata_is_the_docstring_example():
     real = [(b, s) for b, s in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()) if b < 2]
     assert real == [(0, 0), (0, 16), (1, 0)] and len(meta.tile_seqs) == 4
     assert [prefill_tile_queries(h, k) for h, k in ((14, 2), (12, 2), (32, 8), (4, 4), (64, 2))] == [16, 16, 32, 128, 16]
+    from tandemrl.generation.engine.layers.attention import prefill_tiles
+
+    seqs, firsts = prefill_tiles(torch.tensor([20, 0, 3]), 23, 16)  # a sequence without queries has no tile
+    assert seqs.tolist() == [0, 0, 2, 3, 3] and firsts.tolist()[:3] == [0, 16, 0]
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "flash"])
+@pytest.mark.parametrize("paged", ["graphed", True, False], ids=["graphed", "paged", "flash"])
 def test_the_runner_builds_prefill_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path, paged):
     """The 16-bit GPU prefill's inputs (lengths and block tables; positions, slots and the paged kernel's
     tiles computed from them where the model runs) give the tokens of the gather path: two turns, the second
     over the first's cached blocks, and a group sharing one prompt (followers). On CPU, with a reference
-    attention in place of the Triton kernel (paged) or of flash."""
+    attention in place of the Triton kernel (paged) or of flash. `graphed`: the prefill graphs' forward
+    (static buffers sized for every sequence, metadata at fixed shapes; run eagerly, captures skipped)."""
     import asyncio
 
     from tandemrl.generation.base import EngineConfig
     from tandemrl.generation.engine import Engine
     from tandemrl.generation.engine.layers import attention
+    from tandemrl.generation.engine.prefill_graphs import PrefillGraphs
+    from tandemrl.generation.engine.runner import padded_num_tokens
     from tandemrl.tasks.tiny import save_tiny
     from tandemrl.types import SamplingParams
 
     monkeypatch.setattr(attention, "varlen_attention", _reference_varlen_attention)
     monkeypatch.setattr(attention, "paged_prefill_attention", _reference_paged_prefill_attention)
+    monkeypatch.setattr(PrefillGraphs, "_capture", lambda self, model, num_rows: None)  # CUDA only: the eager forward is what is tested
     model_dir = save_tiny(str(tmp_path), seed=3)
     prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)] + [[7, 8, 9] * 7] * 3
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
@@ -143,19 +153,29 @@ def test_the_runner_builds_prefill_metadata_on_the_device_as_the_gather_path_mea
     async def two_turns(engine: Engine) -> list[list[int]]:
         first = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         second = await asyncio.gather(*(engine.generate(p + c.token_ids + [11, 12, 13], params) for p, c in zip(prompts, first)))
+        alone = await engine.generate(prompts[1] + [4, 5], params)  # fewer sequences than the last prefill: its rows must not linger
         await engine.close()
-        return [(c.token_ids, c.logprobs) for c in first + second]
+        return [(c.token_ids, c.logprobs) for c in first + second + [alone]]
 
     outputs = {}
     for varlen in (True, False):
         engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8, max_model_len=128))
         engine.runner.varlen_prefill = varlen  # varlen: each prefill's rows padded (padded_num_tokens), as on a GPU
-        engine.runner.paged_prefill = paged
+        engine.runner.paged_prefill = bool(paged)
+        if paged == "graphed" and varlen:
+            runner = engine.runner
+            runner.graph_prefills = True
+            runner.prefill_graphs = PrefillGraphs.allocate(
+                max_rows=padded_num_tokens(runner.max_num_batched_tokens), max_num_seqs=runner.max_num_seqs,
+                max_blocks_per_seq=runner.max_blocks_per_seq, block_size=runner.block_size, tile_queries=4, device=torch.device("cpu"),
+            )  # fmt: skip
         outputs[varlen] = asyncio.run(two_turns(engine))
         assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
     for (ids, logprobs), (expected_ids, expected_logprobs) in zip(outputs[True], outputs[False]):
         assert ids == expected_ids
         assert all(abs(a - b) < 1e-4 for a, b in zip(logprobs, expected_logprobs))
+    if paged == "graphed":
+        assert sum(runner.prefill_graphs.uses.values()) >= 2  # both turns' prefills went through the graphs' forward
 
 
 def test_int_tensor_and_padded_tables_are_torch_tensor_of_the_same_values():
@@ -175,3 +195,25 @@ def test_padded_num_tokens_is_the_docstring_and_never_less():
     assert [padded_num_tokens(n) for n in (1, 5, 16, 17, 200, 256, 257, 16360, 16384)] == [16, 16, 16, 32, 256, 256, 512, 16384, 16384]
     assert all(n <= padded_num_tokens(n) < n + 256 or n <= 16 for n in range(1, 5000))
     assert len({padded_num_tokens(n) for n in range(1, 16385)}) == 5 + 63  # powers of two to 256, then multiples of 256
+
+
+def test_prefill_graph_buffers_forget_the_last_step_and_pad_to_the_scratch_slot():
+    """The static buffers after a step of 3 sequences, then one of 1: rows past the step's queries sit at
+    position 0 and write the scratch slot 0, and only the one sequence has tiles (a sequence of the last
+    step left in the buffers would write its old slots, maybe blocks other sequences own by now)."""
+    from tandemrl.generation.engine.prefill_graphs import PrefillGraphs
+
+    graphs = PrefillGraphs.allocate(max_rows=64, max_num_seqs=4, max_blocks_per_seq=4, block_size=4, tile_queries=4, device=torch.device("cpu"))
+
+    def step(query_lens: list[int], context_lens: list[int], tables: list[list[int]], num_rows: int):
+        ids = torch.arange(100, 100 + sum(query_lens))
+        graphs.load(ids, torch.tensor(query_lens), torch.tensor(context_lens), torch.tensor(tables))
+        return graphs.metadata(num_rows)
+
+    step([5, 3, 6], [9, 3, 6], [[1, 2, 3], [4, 0, 0], [5, 6, 0]], 16)
+    positions, meta = step([2], [6], [[7, 8]], 16)
+    expected = build_paged_prefill_metadata([2], [6], [[7, 8]], 4, torch.device("cpu"), tile_queries=4)
+    assert positions[:2].tolist() == [4, 5] and not positions[2:].any()
+    assert meta.slot_mapping[:2].tolist() == expected.slot_mapping.tolist() == [32, 33] and not meta.slot_mapping[2:].any()
+    assert [(b, s) for b, s in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()) if b < 4] == [(0, 0)]
+    assert meta.cu_seq_q.tolist() == [0, 2, 2, 2, 2] and meta.num_queries is None

@@ -64,7 +64,8 @@ class PagedPrefillMetadata:
     tile_starts: Tensor  # [T] int32
     block_size: int
     tile_queries: int
-    num_queries: int  # N: rows past it are the runner's padding (runner.padded_num_tokens)
+    num_queries: int | None  # N: rows past it are the runner's padding (runner.padded_num_tokens); None: not known
+    # on the host (a prefill graph's, prefill_graphs.py): the output starts as zeros, so padded rows stay zeros
 
 
 @dataclass(slots=True)
@@ -97,8 +98,8 @@ def paged_attention(
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
         case PagedPrefillMetadata():
             out = paged_prefill_attention(q, k_cache, v_cache, meta)
-            if len(q) > meta.num_queries:  # padded rows: zeros, not what torch.empty held (their KV lands in the scratch slot 0)
-                out[meta.num_queries :] = 0
+            if meta.num_queries is not None and len(q) > meta.num_queries:  # padded rows: zeros, not what torch.empty held
+                out[meta.num_queries :] = 0  # (their KV lands in the scratch slot 0)
             return out
         case VarlenMetadata():
             out = varlen_attention(q, k_cache, v_cache, meta)
@@ -275,22 +276,34 @@ def paged_prefill_metadata(
     num_seqs, num_tokens = len(query_lens), len(positions)
     rows = torch.arange(num_seqs, device=query_lens.device)
     q_owner = torch.repeat_interleave(rows, query_lens, output_size=num_tokens)  # [N] sequence of each new token
-    num_tiles = (query_lens + tile_queries - 1) // tile_queries  # [B]
-    tile_ends = torch.cumsum(num_tiles, 0)
-    tiles = torch.arange(-(-num_tokens // tile_queries) + num_seqs, device=query_lens.device)  # [T]
-    tile_seqs = torch.searchsorted(tile_ends, tiles, right=True)  # B past the last tile
-    first_tile = (tile_ends - num_tiles)[tile_seqs.clamp(max=num_seqs - 1)]
+    tile_seqs, tile_starts = prefill_tiles(query_lens, num_tokens, tile_queries)
     return PagedPrefillMetadata(
         slot_mapping=block_tables[q_owner, positions // block_size].to(torch.int64) * block_size + positions % block_size,
         cu_seq_q=F.pad(torch.cumsum(query_lens, 0), (1, 0)).to(torch.int32),
         context_lens=context_lens.to(torch.int32),
         block_tables=block_tables,
-        tile_seqs=tile_seqs.to(torch.int32),
-        tile_starts=((tiles - first_tile) * tile_queries).to(torch.int32),
+        tile_seqs=tile_seqs,
+        tile_starts=tile_starts,
         block_size=block_size,
         tile_queries=tile_queries,
         num_queries=num_tokens,
     )
+
+
+def prefill_tiles(query_lens: Tensor, num_rows: int, tile_queries: int) -> tuple[Tensor, Tensor]:
+    """The paged prefill kernel's query tiles ([T] int32 sequence, [T] int32 first query within it) for
+    [B] query lengths of at most num_rows in all, on their device, without a sync: ceil(num_rows /
+    tile_queries) + B tiles, those past the last real one with sequence B (spare).
+
+    Example: query_lens [20, 0, 3], num_rows 23, tile_queries 16 -> sequences [0, 0, 2, 3, 3], firsts [0, 16, 0, ...]
+    """
+    num_seqs = len(query_lens)
+    num_tiles = (query_lens + tile_queries - 1) // tile_queries  # [B]
+    tile_ends = torch.cumsum(num_tiles, 0)
+    tiles = torch.arange(-(-num_rows // tile_queries) + num_seqs, device=query_lens.device)  # [T]
+    tile_seqs = torch.searchsorted(tile_ends, tiles, right=True)  # B past the last tile
+    first_tile = (tile_ends - num_tiles)[tile_seqs.clamp(max=num_seqs - 1)]
+    return tile_seqs.to(torch.int32), ((tiles - first_tile) * tile_queries).to(torch.int32)
 
 
 def build_paged_prefill_metadata(

@@ -135,7 +135,8 @@ def _prefill_attention_kernel(
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, *, tile: int | None = None, num_warps: int = 8, num_stages: int = 2) -> Tensor:
     """q [N, H, D] of a prefill step, caches [S, K, D], meta a PagedPrefillMetadata -> [N, H, D]. Rows of
-    q past meta.num_queries (the runner's padding) are left as they come out of torch.empty.
+    q past meta.num_queries (the runner's padding) are left as they come out of torch.empty, or zeros when
+    num_queries is None (a prefill graph's padded rows).
 
     Launch settings: `tile` keys an iteration (64, or 32 for a head dim over 64), `num_warps`, `num_stages`.
     The defaults were the fastest of 24 settings on an H200 for next turns over cached contexts, prompts
@@ -144,7 +145,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, *, tile
     num_heads, dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     groups = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if meta.num_queries is not None else torch.zeros_like(q)  # rows no tile covers: zeros
     _prefill_attention_kernel[(len(meta.tile_seqs), num_kv_heads)](
         q, k_cache, v_cache, out, meta.block_tables, meta.cu_seq_q, meta.context_lens, meta.tile_seqs, meta.tile_starts,
         len(meta.context_lens), dim**-0.5,

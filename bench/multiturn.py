@@ -37,6 +37,7 @@ import torch
 from tandemrl.cli import frozen_heap
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine import Engine
+from tandemrl.generation.engine.sequence import Status
 from tandemrl.rollout.chat import ChatFormat, ToolCall
 from tandemrl.rollout.group import play_group
 from tandemrl.rollout.run import MultiTurn
@@ -198,11 +199,13 @@ def profile(make, device: str) -> None:
 class Timeline:
     """The engine thread's steps of one run on the wall clock (each from its launch to the end of its
     wait) and the requests' arrivals (one hand-over an event-loop tick); what it prints says where the
-    engine had nothing in flight: the turn boundaries' cost."""
+    engine had nothing in flight: the turn boundaries' cost. A look-ahead decode whose every row had
+    finished before it was read (launched ahead of a turn's last step) is stale: it does not count as
+    busy, so a boundary's gap runs from the turn's last real step to the next one."""
 
     def __init__(self, engine: Engine):
         self.engine, self.start = engine, time.perf_counter()
-        self.steps: list[list] = []  # [launch start, launch end, wait end, is_prefill, seqs, new tokens]
+        self.steps: list[list] = []  # [launch start, launch end, wait end, is_prefill, seqs, new tokens, stale]
         self.arrivals: list[tuple[float, int]] = []
         self._open: dict[int, list] = {}
         runner, ticks = engine.runner, engine._this_tick
@@ -212,7 +215,7 @@ class Timeline:
         def timed_launch(batch):
             started = time.perf_counter()
             launched = launch(batch)
-            self._open[id(launched)] = [started, time.perf_counter(), 0.0, batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens)]
+            self._open[id(launched)] = [started, time.perf_counter(), 0.0, batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens), False]
             return launched
 
         def timed_wait(launched):
@@ -243,6 +246,15 @@ class Timeline:
             elif collecting:
                 self.collections.append((collecting[0], time.perf_counter(), info["generation"]))
 
+        finish = engine._finish
+
+        def timed_finish(batch, launched, version):
+            stale = not batch.is_prefill and all(seq.status is Status.FINISHED for seq in batch.seqs)
+            finish(batch, launched, version)
+            if stale:  # runner.wait (timed_wait) appended this step last
+                self.steps[-1][6] = True
+
+        engine._finish = timed_finish
         outbox, flush = engine._outbox, engine._outbox.flush
         self.deliveries: list[tuple[float, int]] = []  # (time, number) of completions handed to the event loop
 
@@ -254,20 +266,22 @@ class Timeline:
 
         runner.launch, runner.wait, ticks._hand_over, scheduler.schedule, outbox.flush = timed_launch, timed_wait, timed_add, timed_schedule, timed_flush
         gc.callbacks.append(on_gc)
-        self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many),
+        self._restore = lambda: (vars(runner).pop("launch"), vars(runner).pop("wait"), setattr(ticks, "_hand_over", add_many), delattr(engine, "_finish"),
                                  delattr(scheduler, "schedule"), delattr(outbox, "flush"), gc.callbacks.remove(on_gc))  # fmt: skip
 
     def report(self, label: str) -> None:
         self._restore()
-        steps = sorted(self.steps)
+        num_stale = sum(step[6] for step in self.steps)
+        steps = sorted(step for step in self.steps if not step[6])
         t = lambda x: f"{x - self.start:.3f}"  # noqa: E731
         busy_until, idle = steps[0][0], []
         for i, (launched, _, done, *_) in enumerate(steps):
             if launched > busy_until:
                 idle.append((busy_until, launched, i))
             busy_until = max(busy_until, done)
-        print(f"timeline of {label}: {len(steps)} steps, {sum(e - s for s, e, _ in idle):.3f} s with no step in flight "
-              f"({sum(e - s > 0.005 for s, e, _ in idle)} gaps > 5 ms), run {busy_until - self.start:.3f} s", flush=True)
+        print(f"timeline of {label}: {len(steps)} steps (and {num_stale} stale look-ahead decodes, not counted), "
+              f"{sum(e - s for s, e, _ in idle):.3f} s with no step in flight ({sum(e - s > 0.005 for s, e, _ in idle)} gaps > 5 ms), "
+              f"run {busy_until - self.start:.3f} s", flush=True)
         for started, ended, i in idle:
             if ended - started > 0.005:
                 arrived = [(a, n) for a, n in self.arrivals if started <= a < ended]
@@ -288,14 +302,14 @@ class Timeline:
                     bursts.append([at, at, n, 1])
             for first, last, n, times in bursts:
                 print(f"  {what}: {n} from {t(first)} to {t(last)} s in {times} hand-overs", flush=True)
-        decodes = [(end - start, start, n) for start, end, _, is_prefill, n, _ in steps if not is_prefill]
+        decodes = [(end - start, start, n) for start, end, _, is_prefill, n, *_ in steps if not is_prefill]
         slow = sorted(decodes, reverse=True)[:5]
         print(f"  decode launches: {len(decodes)}, {sum(d for d, _, _ in decodes):.3f} s in all, {sum(d > 0.001 for d, _, _ in decodes)} over 1 ms; "
               f"slowest: {', '.join(f'{1e3 * d:.1f} ms at {t(at)} s ({n} seqs)' for d, at, n in slow)}", flush=True)
         slow_gc = [(s, e, g) for s, e, g in self.collections if e - s > 0.001]
         print(f"  garbage collections: {len(self.collections)}, {sum(e - s for s, e, _ in self.collections):.3f} s in all; over 1 ms: "
               f"{', '.join(f'generation {g} {1e3 * (e - s):.1f} ms at {t(s)} s' for s, e, g in slow_gc) or 'none'}", flush=True)
-        for launched, launch_end, done, is_prefill, num_seqs, num_tokens in steps:
+        for launched, launch_end, done, is_prefill, num_seqs, num_tokens, _ in steps:
             if is_prefill:
                 print(f"  prefill at {t(launched)} s: {num_seqs} seqs, {num_tokens} tokens, launch {1e3 * (launch_end - launched):.1f} ms, "
                       f"done {1e3 * (done - launched):.1f} ms after its launch began", flush=True)

@@ -117,7 +117,8 @@ def flash_varlen_available() -> bool:
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedPrefillMetadata) -> Tensor:
-    """The Triton kernel (attention_kernel.prefill_attention); rows past meta.num_queries are not written."""
+    """The Triton kernel (attention_kernel.prefill_attention): rows no tile covers are not written (zeros when
+    meta.num_queries is None)."""
     from tandemrl.generation.engine.layers.attention_kernel import prefill_attention
 
     return prefill_attention(q, k_cache, v_cache, meta)

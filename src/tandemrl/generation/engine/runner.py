@@ -109,7 +109,7 @@ class Launched:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int = 16384
+        self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
@@ -268,10 +268,9 @@ class ModelRunner:
         sampling = replace(sampling, **{k: next(moved) for k in sampling_fields})
         if self.is_cuda:
             self._events[slot][3].record()
-        qlens, lens = inputs["qlens"], inputs["lens"]
         if self.graph_prefills and self.prefill_graphs is not None and self.varlen_prefill and self.paged_prefill and self.pad_prefills:
             # the forward replayed from its row count's graph, or run on the graphs' buffers (prefill_graphs.py)
-            self.prefill_graphs.load(inputs["ids"], qlens, lens, inputs["tables"])
+            self.prefill_graphs.load(inputs["ids"], inputs["qlens"], inputs["lens"], inputs["tables"])
             last = self.prefill_graphs.forward(self.model, num_tokens + padding)[: len(computing)]  # [B_computing, E]
         else:
             last = self._forward_eagerly(inputs, meta, meta_fields, query_lens, context_lens, padding)

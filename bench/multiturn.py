@@ -290,9 +290,11 @@ class Timeline:
                 scheduling = sum(min(e, ended) - max(s, started) for s, e in self.schedules if s < ended and e > started)
                 collected = [(s, e, g) for s, e, g in self.collections if s < ended and e > started]
                 pauses = "".join(f", a generation-{g} collection of {1e3 * (e - s):.1f} ms" for s, e, g in collected)
+                calls = [f"{1e3 * (s - started):.1f}+{1e3 * (e - s):.1f}" for s, e in self.schedules if s < ended and e > started]
                 print(f"  idle {1e3 * (ended - started):.1f} ms from {t(started)} s: after a {'prefill' if before[3] else 'decode'} of "
                       f"{before[4]}, before a {'prefill' if after[3] else 'decode'} of {after[4]}; {sum(n for _, n in arrived)} requests "
-                      f"arrived meanwhile{first}; {1e3 * scheduling:.1f} ms in schedule(){pauses}", flush=True)
+                      f"arrived meanwhile{first}, the last {1e3 * (arrived[-1][0] - started) if arrived else 0:.1f} ms in; "
+                      f"{1e3 * scheduling:.1f} ms in schedule() (calls at ms in + ms long: {', '.join(calls)}){pauses}", flush=True)
         for what, events in (("completions handed to the event loop", self.deliveries), ("arrivals of requests", self.arrivals)):
             bursts: list[list] = []  # events closer than 20 ms: one turn boundary's
             for at, n in events:
@@ -337,6 +339,8 @@ def main() -> None:
     parser.add_argument("--frozen_heap", action=argparse.BooleanOptionalAction, default=True, help="freeze the heap after setup, as tandem train does")
     parser.add_argument("--switch_interval_ms", type=float, default=0.0,
                         help="the interpreter's thread switch interval (sys.setswitchinterval; 0 = Python's 5 ms): how long the engine thread may wait for the GIL while the event loop runs")
+    parser.add_argument("--no-turn_at_a_time", dest="turn_at_a_time", action="store_false",
+                        help="time only single_turn and multiturn (a sweep's processes: the turn-at-a-time ratio is not printed)")
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()
@@ -365,14 +369,15 @@ def main() -> None:
     kept = multi["tokens_per_s"] / single["tokens_per_s"]
     print(f"multiturn / single_turn tokens/s: {kept:.2f} (required >= 0.70: {'met' if kept >= 0.7 else 'NOT met'}; multiturn runs {multi['runs_s']} s, "
           f"single_turn {single['runs_s']} s)")
-    print(f"multiturn / turn_at_a_time tokens/s: {multi['tokens_per_s'] / naive['tokens_per_s']:.2f}")
+    if naive is not None:
+        print(f"multiturn / turn_at_a_time tokens/s: {multi['tokens_per_s'] / naive['tokens_per_s']:.2f}")
 
 
-def run_modes(args, engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int, mt: MultiTurn, tokenizer, config: dict) -> tuple[dict, dict, dict]:
-    """The three timed modes (their rows), then the --timeline and --profile runs."""
+def run_modes(args, engine: Engine, prompts: list[list[int]], group_size: int, turn_tokens: int, mt: MultiTurn, tokenizer, config: dict) -> tuple[dict, dict, dict | None]:
+    """The three timed modes (their rows; turn_at_a_time's None with --no-turn_at_a_time), then the --timeline and --profile runs."""
     single = timed("single_turn", engine, lambda: run_single_turn(engine, prompts, group_size, turn_tokens), config, args.repeats)
     multi = timed("multiturn", engine, lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer), config, args.repeats)
-    naive = timed("turn_at_a_time", engine, lambda: run_turn_at_a_time(engine, prompts, group_size, turn_tokens, mt), config, args.repeats)
+    naive = None if not args.turn_at_a_time else timed("turn_at_a_time", engine, lambda: run_turn_at_a_time(engine, prompts, group_size, turn_tokens, mt), config, args.repeats)
     if args.timeline:
         for label, make in (("single_turn", lambda: run_single_turn(engine, prompts, group_size, turn_tokens)),
                             ("multiturn", lambda: run_multiturn(engine, prompts, group_size, turn_tokens, mt, tokenizer))):  # fmt: skip

@@ -1,4 +1,4 @@
-"""Multi-turn rollout throughput of our engine (tokens/s, tool calls/s) on a random-weight Qwen2.5-0.5B shape.
+"""Multi-turn rollout throughput of our engine (tokens/s, tool calls/s) on a random-weight Qwen2.5-0.5B shape (or 1.5B).
 
 Three ways to sample the same tokens, in one process, each in steady state (one untimed run of the same
 size, then --repeats timed runs: the median's row, every run's seconds in `runs_s`), with the heap
@@ -17,6 +17,7 @@ Prints one JSON line per mode and two ratio lines.
 
     python bench/multiturn.py                      # H200: 0.5B shape, 64 x 8, T = 128 (about 1-2 minutes)
     python bench/multiturn.py --timeline           # then where the engine idles, step by step
+    python bench/multiturn.py --shape 1.5b         # the Qwen2.5-1.5B shape, same workload
     python bench/multiturn.py --toy --device cpu   # CPU check: a 2-layer model, 4 x 2, T = 8
 """
 
@@ -47,6 +48,7 @@ from tandemrl.types import Completion, Example, SamplingParams
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
     "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
 }
 NUM_TURNS = 3
@@ -321,6 +323,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--toy", action="store_true", help="a 2-layer model, 4 prompts x 2, 8 tokens a turn (CPU check)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "toy"], default="0.5b", help="the model's shape (Qwen2.5 configs, random weights)")
     parser.add_argument("--num_prompts", type=int, default=None)
     parser.add_argument("--group_size", type=int, default=None)
     parser.add_argument("--turn_tokens", type=int, default=None)
@@ -344,7 +347,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="then one more multiturn run under torch.profiler: its top device kernels")
     parser.add_argument("--timeline", action="store_true", help="then one more multiturn run, its engine steps and idle gaps on the wall clock")
     args = parser.parse_args()
-    shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else ("0.5b", 64, 8, 128)
+    shape, num_prompts, group_size, turn_tokens = ("toy", 4, 2, 8) if args.toy else (args.shape, 64, 8, 128)
     num_prompts, group_size, turn_tokens = args.num_prompts or num_prompts, args.group_size or group_size, args.turn_tokens or turn_tokens
     model = build_model(shape, args.device)
     tokenizer = build_tokenizer()  # ChatML template; its ids are valid ids of the bigger vocab

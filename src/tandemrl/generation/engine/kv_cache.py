@@ -59,30 +59,31 @@ class BlockManager:
     def block_hashes(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
         """(hash, tokens) of each block of `seq`'s context: a full block's hash covers every token up to
         its end; a last, partial block's is -1."""
-        size, parent, hashes = self.block_size, 0, []
-        for i in range(self.num_blocks_for(seq.num_tokens)):
-            chunk = tuple(seq.token_ids[i * size : (i + 1) * size])
-            parent = hash((parent, chunk)) if len(chunk) == size else -1
+        size, parent, hashes, token_ids = self.block_size, 0, [], seq.token_ids
+        num_full = len(token_ids) - len(token_ids) % size
+        for start in range(0, num_full, size):
+            chunk = tuple(token_ids[start : start + size])
+            parent = hash((parent, chunk))
             hashes.append((parent, chunk))
+        if num_full < len(token_ids):
+            hashes.append((-1, tuple(token_ids[num_full:])))
         return hashes
 
     def num_cached_tokens(self, seq: Sequence, hashes: list[tuple[int, tuple[int, ...]]], *, allow_full_hit: bool = False) -> int:
         """The tokens of `seq` that `allocate(seq, hashes=hashes)` would find cached now (it changes nothing):
         what a prefill step need not compute. Example: block_size 4, the blocks of tokens 0..7 cached,
         seq 0..9 -> 8."""
-        cached = 0
+        cached, size, blocks, cached_block = 0, self.block_size, self.blocks, self.hash_to_block.get
+        full_hit_limit = len(hashes) if allow_full_hit else len(hashes) - 1
         for i, (block_hash, chunk) in enumerate(hashes):
-            if not self._hit(i, block_hash, chunk, len(hashes) if allow_full_hit else len(hashes) - 1):
+            # block i is reusable as it is: cached under its hash (never -1: no Python hash is) with these tokens
+            block_id = cached_block(block_hash, -1)
+            if i >= full_hit_limit or block_id == -1 or blocks[block_id].token_ids != chunk:
                 if not allow_full_hit and (block_id := self._partial(hashes[i - 1][0] if i else 0, chunk)) != -1:
-                    cached += len(self.blocks[block_id].token_ids)
+                    cached += len(blocks[block_id].token_ids)
                 return cached
-            cached += self.block_size
+            cached += size
         return cached
-
-    def _hit(self, i: int, block_hash: int, chunk: tuple[int, ...], full_hit_limit: int) -> bool:
-        """Whether block i of a context (`block_hash`, `chunk`) is cached, reusable as it is."""
-        block_id = self.hash_to_block.get(block_hash, -1) if block_hash != -1 else -1
-        return i < full_hit_limit and block_id != -1 and self.blocks[block_id].token_ids == chunk
 
     def allocate(
         self, seq: Sequence, *, allow_full_hit: bool = False, hashes: list[tuple[int, tuple[int, ...]]] | None = None, num_cached: int | None = None
@@ -99,21 +100,25 @@ class BlockManager:
         hashes = self.block_hashes(seq) if hashes is None else hashes
         num_cached = self.num_cached_tokens(seq, hashes, allow_full_hit=allow_full_hit) if num_cached is None else num_cached
         num_hits, head = divmod(num_cached, self.block_size)
-        for i, (block_hash, chunk) in enumerate(hashes):
-            if i < num_hits:  # shared, or revived from the free list
-                block_id = self.hash_to_block[block_hash]
-                seq.block_table.append(self._take(block_id) if block_id in self.free else self._share(block_id))
-                continue
+        blocks, free, table = self.blocks, self.free, seq.block_table
+        for block_hash, _ in hashes[:num_hits]:  # shared, or revived from the free list
+            block_id = self.hash_to_block[block_hash]
+            if block_id in free:
+                self._take(block_id)
+            else:
+                blocks[block_id].ref_count += 1
+            table.append(block_id)
+        for i, (block_hash, chunk) in enumerate(hashes[num_hits:], num_hits):
             if i == num_hits and head:
                 block_id = self._take(self._partial(hashes[i - 1][0] if i else 0, chunk))
                 self._forget(block_id)  # its tail is written now: no longer what its key says
             else:
                 block_id = self.take_fresh()
             if block_hash != -1:
-                block = self.blocks[block_id]
+                block = blocks[block_id]
                 block.hash, block.token_ids = block_hash, chunk
                 self.hash_to_block[block_hash] = block_id
-            seq.block_table.append(block_id)
+            table.append(block_id)
         seq.num_cached_tokens = num_cached
 
     def _partial(self, parent: int, chunk: tuple[int, ...]) -> int:
@@ -132,10 +137,6 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         block.ref_count = 1
-        return block_id
-
-    def _share(self, block_id: int) -> int:
-        self.blocks[block_id].ref_count += 1
         return block_id
 
     def take_fresh(self) -> int:

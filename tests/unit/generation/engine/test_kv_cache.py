@@ -172,3 +172,17 @@ def test_a_prefill_budget_counts_the_tokens_computed_not_the_cached_prefix():
     batch = scheduler.schedule()
     assert batch.num_new_tokens == [4, 4, 4, 4]  # one step computes 16; counted whole (16 each), the fourth would not fit
     assert [s.num_cached_tokens for s in batch.seqs] == [12] * 4
+
+
+def test_contexts_that_only_end_alike_are_not_leader_and_follower():
+    """A prefill's leaders are looked up by length and last tokens, then checked against the whole context."""
+    blocks = BlockManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
+    tail = list(range(100, 120))
+    first, other, same = seq([1, 2, *tail]), seq([3, 4, *tail]), seq([1, 2, *tail])
+    for s in (first, other, same):
+        scheduler.add(s)
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [22, 22, 0]  # `same` follows `first`; `other` computes its own context
+    assert batch.sample_rows == [0, 1, 0]
+    assert other.block_table[0] != first.block_table[0] and same.block_table[:5] == first.block_table[:5]

@@ -124,6 +124,9 @@ class Completion:
     finish_reason: FinishReason
     policy_versions: list[int]  # [T] version of the weights that produced each token
     top_logprobs: list[dict[int, float]] | None = None  # [T] {token id: logprob}, when SamplingParams.top_logprobs > 0
+    # [T, sparse layers, experts per token] expert ids (uint8, or int16 little-endian past 256 experts) of
+    # the forward that sampled each token, when the generator records routes (--routing_replay)
+    routes: bytes | None = None
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs) == len(self.policy_versions)
@@ -154,8 +157,11 @@ class TokenTrace:
     loss_mask: list[bool] = field(default_factory=list)  # [L]
     logprobs: list[float] = field(default_factory=list)  # [L], 0.0 where loss_mask is False
     policy_versions: list[int] = field(default_factory=list)  # [L], -1 where loss_mask is False
+    routes: list[tuple[int, bytes]] = field(default_factory=list)  # (trace index of its first token, Completion.routes) per routed completion
 
     def append_sampled(self, completion: Completion) -> None:
+        if completion.routes is not None:
+            self.routes.append((len(self.token_ids), completion.routes))
         self.token_ids += completion.token_ids
         self.loss_mask += [True] * len(completion.token_ids)
         self.logprobs += completion.logprobs

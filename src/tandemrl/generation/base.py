@@ -96,6 +96,10 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     """GPUs the engine splits its model over (heads, MLP and vocab; tandem rollout uses GPUs 0..N-1, one
     process each, and serves from the first)."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: record each sampled token's experts in every sparse layer and return them
+    with the tokens, so the trainer routes each trained token to the experts that sampled it (routing replay;
+    the router still trains through those experts' probabilities)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -101,6 +101,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 use_graphs=not config.enforce_eager,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
+                record_routes=config.routing_replay,
             )
             num_blocks = self._num_kv_blocks() if self.tp is None else self.tp.min(self._num_kv_blocks())  # the same on every rank
             self.blocks = BlockManager(num_blocks, config.block_size)
@@ -467,7 +468,7 @@ class Engine:
         start = time.perf_counter()
         times = self.runner.times
         live = [seq.status is not Status.FINISHED for seq in batch.seqs]  # rows postprocess keeps
-        finished = self.scheduler.postprocess(batch, token_ids, logprobs, version, self.runner.top_logprobs(launched))
+        finished = self.scheduler.postprocess(batch, token_ids, logprobs, version, self.runner.top_logprobs(launched), self.runner.routes(launched))
         if self._streaming:  # before the completions: a stream sees every token, then the end
             for seq, token_id, kept in zip(batch.seqs, token_ids, live):
                 if kept and seq.on_token is not None:

@@ -14,6 +14,7 @@ the host's only per-step work is the replay and one wait for the sampled ids and
 from __future__ import annotations
 
 import array
+import itertools
 import operator
 import time
 from dataclasses import dataclass, fields, replace
@@ -105,11 +106,13 @@ class Launched:
     is_prefill: bool
     prepare_s: float
     top: tuple[Tensor, Tensor] | None = None  # ([B, K] ids, [B, K] logprobs) when a sequence asked for top logprobs
+    routes: Tensor | None = None  # [B, M, k] each row's experts per sparse layer (host), when recording routes
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int
+        self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int,
+        record_routes: bool = False,
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
@@ -146,6 +149,14 @@ class ModelRunner:
             self._host_logprobs = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
             # start, sampled, on host, and a prefill's forward launched (after its host-built inputs)
             self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(2)]
+        self.record_routes = record_routes
+        if record_routes:  # routing replay: every forward writes its experts into model.routes, read per step
+            if not hasattr(model, "record_routes"):
+                raise ValueError(f"--routing_replay needs a mixture-of-experts model; {model.config.model_type} has no experts")
+            model.record_routes(max(padded_num_tokens(max_num_batched_tokens), self.graph_sizes[-1]))
+            if self.is_cuda:
+                self._host_routes = torch.empty(2, *model.routes[:, : self.graph_sizes[-1]].transpose(0, 1).shape, dtype=model.routes.dtype, pin_memory=True)
+        self._route_rows: list[int] | None = None  # a prefill's row of each sequence's last token (written by _prefill)
 
     # --- KV cache ------------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -208,16 +219,35 @@ class ModelRunner:
             token_ids, logprobs, logits = self._decode(batch.seqs)
         num_top = max(s.params.top_logprobs for s in batch.seqs)
         top = logits[: len(batch.seqs)].float().log_softmax(-1).topk(num_top, dim=-1) if num_top else None
+        routes = self._step_routes(batch) if self.record_routes else None  # [B, M, k]
         if self.is_cuda:  # both results in one pinned copy each, waited for once
             self._events[slot][1].record()
             host_ids, host_logprobs = self._host_ids[slot, : len(token_ids)], self._host_logprobs[slot, : len(token_ids)]
             host_ids.copy_(token_ids, non_blocking=True)
             host_logprobs.copy_(logprobs, non_blocking=True)
+            if routes is not None:
+                routes = self._host_routes[slot, : len(routes)].copy_(routes, non_blocking=True)
             self._events[slot][2].record()
             token_ids, logprobs = host_ids, host_logprobs
         prepare = time.perf_counter() - start
         self.times.prepare_s += prepare
-        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare, None if top is None else (top.indices, top.values))
+        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare, None if top is None else (top.indices, top.values), routes)
+
+    def _step_routes(self, batch: ScheduledBatch) -> Tensor:
+        """[B, M, k] the experts of the forward row each sequence sampled from: its last token's (a prefill)
+        or its only one (a decode). Queued before the next step can overwrite model.routes."""
+        routes = self.model.routes  # [M, R, k]
+        if not batch.is_prefill:
+            return routes[:, : len(batch.seqs)].transpose(0, 1).contiguous()
+        rows = self._to_device([torch.tensor(self._route_rows)])[0]
+        return routes[:, rows].transpose(0, 1).contiguous()
+
+    def routes(self, launched: Launched) -> list[bytes] | None:
+        """Per row, its [M, k] experts as bytes (Completion.routes' layout); None when not recording."""
+        if launched.routes is None:
+            return None
+        rows = launched.routes.numpy()
+        return [row.tobytes() for row in rows]
 
     def wait(self, launched: Launched) -> tuple[list[int], list[float]]:
         """The step's only wait on the device; its sampled ids and logprobs as lists."""
@@ -245,6 +275,9 @@ class ModelRunner:
         context position: ~80k of them in a prefill of 256 next turns)."""
         computing = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 0]
         query_lens, context_lens = [n for _, n in computing], [s.num_tokens for s, _ in computing]
+        if self.record_routes:  # each sequence's last new token's row, through sample_rows when some compute nothing
+            ends = list(itertools.accumulate(query_lens, initial=-1))[1:]
+            self._route_rows = [ends[r] for r in batch.sample_rows] if len(computing) != len(batch.seqs) else ends
         tables = [s.block_table for s, _ in computing]
         meta = None if self.varlen_prefill else build_gather_metadata(query_lens, context_lens, tables, self.block_size, HOST)
         sampling = self._sampling_tensors(batch.seqs)

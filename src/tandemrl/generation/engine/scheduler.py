@@ -201,11 +201,12 @@ class Scheduler:
         self.counters.num_preemptions += 1
 
     def postprocess(
-        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int, top: list[dict[int, float]] | None = None
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int, top: list[dict[int, float]] | None = None,
+        routes: list[bytes] | None = None,
     ) -> list[Sequence]:
         """Appends each sampled token (and its row of `top` alternatives to a sequence that asked for
-        them); returns the sequences that finished (their blocks are freed). A row of a sequence that
-        finished before (a look-ahead step, an abort) is dropped."""
+        them, its row of `routes` when recorded); returns the sequences that finished (their blocks are
+        freed). A row of a sequence that finished before (a look-ahead step, an abort) is dropped."""
         finished = []
         for i, (seq, token_id, logprob) in enumerate(zip(batch.seqs, token_ids, logprobs)):
             if seq.status is Status.FINISHED:
@@ -215,6 +216,10 @@ class Scheduler:
             if top is not None and seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(top[i].items())[: seq.params.top_logprobs]))
             seq.policy_versions.append(version)
+            if routes is not None:
+                if seq.routes is None:
+                    seq.routes = bytearray()
+                seq.routes += routes[i]
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)

@@ -28,7 +28,7 @@ from tandemrl.generation.engine.layers.attention import AttentionMetadata, paged
 from tandemrl.generation.engine.layers.sharded import RowParallelLinear, VocabParallelEmbedding, gathered_logits
 from tandemrl.generation.engine.parallel import Shard, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # qwen3_moe: models/qwen3_moe.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 

@@ -12,7 +12,10 @@ import torch
 from torch import Tensor
 
 from tandemrl.generation.engine.models.llama import _FUSED, LlamaForCausalLM
+from tandemrl.generation.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from tandemrl.generation.engine.parallel import TensorParallel
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"qwen3_moe": Qwen3MoeForCausalLM}  # by model_type; else LlamaForCausalLM
 
 
 def resolve_model_dir(name: str) -> str:
@@ -57,7 +60,7 @@ def build_model(
     """Allocates the model (this rank's shard, with `tp`) uninitialised on `device`, then fills every
     parameter from `weights` (full Hugging Face tensors)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_positions, tp).to(dtype)
+        model = MODEL_CLASSES.get(hf_config.model_type, LlamaForCausalLM)(hf_config, max_positions, tp).to(dtype)
     model = model.to_empty(device=device).eval()
     model.rope_cos_sin = model.rope_table().to(device)
     written = model.load_weights(weights)

@@ -72,7 +72,7 @@ def test_help_shows_no_empty_defaults(train_help):
 
 
 def test_help_shows_booleans_as_flag_and_no_flag(train_help):
-    assert "--resume, --no-resume" in train_help and "--bf16, --no-bf16" in train_help
+    assert "--resume [true|false], --no-resume" in train_help and "--bf16 [true|false], --no-bf16" in train_help
 
 
 def test_help_shows_choices_of_every_enumerated_flag(train_help):

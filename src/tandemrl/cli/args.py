@@ -20,12 +20,22 @@ import typing
 from typing import Any
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, showing a bool flag as `--flag [true|false], --no-flag`."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, BoolFlag):
+            return f"{action.option_strings[0]} [true|false], {action.option_strings[1]}"
+        return super()._format_action_invocation(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse without prefix matching, whose errors raise a one-line ValueError instead of a usage dump."""
 
-    def __init__(self, **kwargs: Any):
-        kwargs.setdefault("formatter_class", functools.partial(argparse.HelpFormatter, max_help_position=36, width=110))
+    def __init__(self, *, hints: dict[str, str] | None = None, **kwargs: Any):
+        kwargs.setdefault("formatter_class", functools.partial(HelpFormatter, max_help_position=36, width=110))
         super().__init__(allow_abbrev=False, **kwargs)
+        self.hints = hints or {}  # {typed name: flag name} for "did you mean" where spelling is no guide (lr -> learning_rate)
 
     def error(self, message: str) -> typing.NoReturn:
         raise ValueError(self._explain(message))
@@ -37,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
             if flag is None:
                 return f"unexpected value {unknown[0]!r} (every value follows its --flag); see `{self.prog} --help`"
             flags = [f for f in self._option_string_actions if f not in ("-h", "--help")]
-            return f"unknown flag {flag}{did_you_mean(flag, flags)}; see `{self.prog} --help`"
+            return f"unknown flag {flag}{did_you_mean(flag, flags, hints=self.hints)}; see `{self.prog} --help`"
         return message
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
@@ -47,10 +57,42 @@ class ArgumentParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"{value!r} is not one of {choices}{hint}")
 
 
-def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    """Example: did_you_mean("--learning_rat", ["--learning_rate", "--seed"]) -> " (did you mean --learning_rate?)"."""
+def did_you_mean(word: str, candidates: typing.Iterable[str], *, hints: dict[str, str] | None = None) -> str:
+    """Example: did_you_mean("--learning_rat", ["--learning_rate", "--seed"]) -> " (did you mean --learning_rate?)".
+    `hints` maps bare names to bare names, consulted first: {"lr": "learning_rate"} sends --lr to --learning_rate."""
+    dashes = word[: len(word) - len(word.lstrip("-"))]
+    hinted = (hints or {}).get(word.lstrip("-"))
+    if hinted is not None:
+        return f" (did you mean {dashes}{hinted}?)"
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
+
+
+def parse_bool(text: str) -> bool:
+    """A bool flag's value, as TRL and yaml write it. Example: parse_bool("True") -> True"""
+    lowered = str(text).strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class BoolFlag(argparse.Action):
+    """`--flag` and `--flag true|false` (TRL's form) set it, `--no-flag` clears it."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
+        names = [*option_strings, *(f"--no-{s[2:]}" for s in option_strings if s.startswith("--"))]
+        super().__init__(names, dest, nargs="?", type=parse_bool, metavar="true|false", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        negated = bool(option_string and option_string.startswith("--no-"))
+        if negated and values is not None:
+            raise argparse.ArgumentError(self, f"{option_string} takes no value (write --{self.dest} {'false' if values else 'true'})")
+        setattr(namespace, self.dest, (not negated) if values is None else values)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
 
 
 @functools.cache
@@ -78,7 +120,7 @@ def _parser_for(tp: Any) -> tuple[Any, dict[str, Any]]:
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
         return _parser_for(args[0])
     if tp is bool:
-        return None, {"action": argparse.BooleanOptionalAction}
+        return None, {"action": BoolFlag}
     if origin is typing.Literal:
         return type(args[0]), {"choices": list(args), "metavar": "{" + ",".join(map(str, args)) + "}"}
     if origin in (tuple, list):
@@ -104,10 +146,13 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None, notes: dict[str, str] | None = None) -> None:
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, *, title: str | None = None, notes: dict[str, str] | None = None, raw: typing.Collection[str] = ()
+) -> None:
     """One flag per field of `cls`, in a help group titled `title` (default: from the class name); defaults
     are left unset so that yaml and recipes can fill them. `notes[field]` is appended to a flag's help
-    (e.g. where a task recipe overrides its default)."""
+    (e.g. where a task recipe overrides its default). Flags in `raw` keep their values as text (checked
+    when the config is built, after other forms of a value are translated: TRL's `--logging_steps 0.1`)."""
     group = parser.add_argument_group(title or group_title(cls), (cls.__doc__ or "").split("\n")[0] or None)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
@@ -116,6 +161,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, *, title: str | 
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         parts = [docs.get(f.name, ""), _default_text(default), (notes or {}).get(f.name, "")]
         help_text = " ".join(p for p in parts if p).replace("%", "%%")
+        if f.name in raw:
+            kind = str
+            extra.pop("choices", None)
         if kind is not None:
             extra["type"] = kind
         group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **extra)
@@ -158,7 +206,11 @@ def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
         return value
     wanted = {None: "true or false", int: "an integer", float: "a number", str: "text"}[kind]
     if kind is None:
-        ok, result = isinstance(value, bool), value
+        try:
+            ok, result = True, parse_bool(value) if isinstance(value, str) else value
+        except argparse.ArgumentTypeError:
+            ok, result = False, value
+        ok = ok and isinstance(result, bool)
     elif kind is str:
         ok, result = isinstance(value, (str, int, float)) and not isinstance(value, bool), str(value)
     else:
@@ -193,12 +245,14 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def check_known(values: dict[str, Any], classes: list[type], source: str, *, command: str) -> None:
-    """A --config file may only name flags of `command`."""
-    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
+def check_known(
+    values: dict[str, Any], classes: list[type], source: str, *, command: str, also: typing.Collection[str] = (), hints: dict[str, str] | None = None
+) -> None:
+    """A --config file may only name flags of `command` (and the names in `also`)."""
+    known = {f.name for cls in classes for f in dataclasses.fields(cls)} | set(also)
     unknown = sorted(set(values) - known)
     if unknown:
-        hint = did_you_mean(unknown[0], known)
+        hint = did_you_mean(unknown[0], known, hints=hints)
         raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}{hint}; see `tandem {command} --help`")
 
 

@@ -164,14 +164,17 @@ def _peak_memory_gb(device: torch.device) -> Any:
 
 
 def _run_dir(config: TrainConfig) -> Path:
-    """--output_dir (never one holding another run, unless --resume), else a new runs/<date-time>[-N]."""
+    """--output_dir (never one holding a resumable run, unless --resume), else a new runs/<date-time>[-N].
+    A run that ended before its first checkpoint restarts in place: its files are moved aside first."""
     c = config.checkpoint
     if c.output_dir:
         run_dir = Path(c.output_dir)
         if run_dir.exists() and not run_dir.is_dir():
             raise ValueError(f"--output_dir {run_dir} is a file; pass a directory (it is created if missing)")
-        if not c.resume and ((run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None):
+        if not c.resume and latest_checkpoint(run_dir) is not None:
             raise ValueError(f"--output_dir {run_dir} already holds a run; pass --resume to continue it, or another --output_dir")
+        if latest_checkpoint(run_dir) is None:
+            _set_aside(run_dir, resumed=c.resume)
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -183,6 +186,26 @@ def _run_dir(config: TrainConfig) -> Path:
         except FileExistsError:
             continue
     raise AssertionError("unreachable")
+
+
+def _set_aside(run_dir: Path, *, resumed: bool) -> None:
+    """A run directory without a complete checkpoint (a run that failed before its first) is reused: the files
+    of that attempt move to attempt-<date-time>/ inside it, said in one line."""
+    leftovers = [p for p in run_dir.iterdir() if not p.name.startswith("attempt-")] if run_dir.is_dir() else []
+    if not leftovers:
+        if resumed:
+            log.info("--resume: %s holds no run yet; starting it", run_dir)
+        return
+    aside = run_dir / f"attempt-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    for n in itertools.count(1):
+        if not aside.exists():
+            break
+        aside = aside.with_name(f"{aside.name.split('.')[0]}.{n}")
+    aside.mkdir()
+    for path in leftovers:
+        path.rename(aside / path.name)
+    why = "--resume: no complete checkpoint, so starting afresh; " if resumed else ""
+    log.info("%s%s held a run that ended before its first checkpoint: its files are now in %s", why, run_dir, aside)
 
 
 def _point_latest(run_dir: Path) -> None:
@@ -197,10 +220,7 @@ def _point_latest(run_dir: Path) -> None:
 def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
     if not config.checkpoint.resume:
         return None
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise ValueError(f"--resume: no complete checkpoint in {run_dir}; start without --resume or give the right --output_dir")
-    return checkpoint
+    return latest_checkpoint(run_dir)  # None: _run_dir said so, and the run starts afresh
 
 
 def _policy(config: TrainConfig, checkpoint: Path | None, device: torch.device | None = None) -> tuple[Any, Any]:

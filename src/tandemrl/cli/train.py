@@ -15,8 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandemrl.cli import trl
 from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, dump_yaml, load_yaml
 from tandemrl.config import LEAVES, TrainConfig
+
+log = logging.getLogger(__name__)
+RAW_FLAGS = ("scale_rewards", "logging_steps", "save_steps", "eval_steps", "report_to", "dtype")
+"""Flags whose values argparse keeps as text: TRL writes other forms of them (trl.finish translates)."""
 
 # Help-group titles by leaf class name; a leaf not named here gets one from its class name.
 TITLES = {
@@ -43,20 +48,45 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
         usage="tandem train [--config YAML] [--print_config] [--FLAG VALUE ...]",
         description="Train a policy by GRPO-family RL. With no arguments: the embedded default "
         "(a tiny policy built in code learns the synthetic task on a CPU in about a minute).",
+        epilog="TRL 1.16's GRPOConfig, ScriptArguments and ModelConfig keys are accepted too, in yaml and as flags "
+        "(--model_name_or_path, --per_device_train_batch_size, --use_vllm, ...): each is a flag above, translated "
+        "to one, or ignored, with one line saying which (README: Coming from TRL).",
+        hints=trl.HINTS,
     )
     parser.add_argument("--config", default=None, metavar="YAML", help="YAML file of flag: value defaults (flags override)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved configuration as YAML and exit")
     notes = recipe_notes()
     for leaf in LEAVES:
-        add_config_args(parser, leaf, title=TITLES.get(leaf.__name__), notes=notes)
+        add_config_args(parser, leaf, title=TITLES.get(leaf.__name__), notes=notes, raw=RAW_FLAGS)
+    for key in sorted(trl.TRL_KEYS):  # TRL's names, kept out of --help (the epilog says so)
+        parser.add_argument(f"--{key}", nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config")
-    values = load_yaml(config_path) if config_path else {}
-    check_known(values, list(LEAVES), config_path or "", command="train")
-    values = resolve(values, {k: v for k, v in flags.items() if k != "print_config"})
+    yaml_values = load_yaml(config_path) if config_path else {}
+    check_known(yaml_values, list(LEAVES), config_path or "", command="train", also=trl.TRL_KEYS, hints=trl.HINTS)
+    given = {k: _unwrap(v) if k in trl.TRL_KEYS else v for k, v in flags.items() if k != "print_config"}
+    values = _translated(yaml_values, given)
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     leaves = {name: build_config(leaf, values) for name, leaf in zip(fields, LEAVES)}
     return TrainConfig(**leaves), flags
+
+
+def _unwrap(values: list[str]) -> Any:
+    """A TRL-named flag's values: none = a bare switch (true), one = that value, several = the list."""
+    return True if not values else values[0] if len(values) == 1 else values
+
+
+def _translated(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """resolve() over the two sources with TRL's keys and value forms made tandem's, a line logged per translation."""
+    notes: list[str] = []
+    yaml_values, flags = trl.translate_keys(yaml_values, notes), trl.translate_keys(flags, notes)
+    user = {**yaml_values, **flags}
+    full = resolve(yaml_values, flags)
+    context = {**TrainConfig().to_dict(), **{k: v for k, v in full.items() if k not in user}}
+    fixed = trl.finish(user, notes, defaults=context)
+    for note in dict.fromkeys(notes):
+        log.info("%s", note)
+    return {**{k: v for k, v in full.items() if k not in user and k not in trl.TRL_BATCH}, **fixed}
 
 
 def recipe_notes() -> dict[str, str]:
@@ -94,16 +124,18 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
 
 
 def main(argv: list[str]) -> int:
-    config, flags = parse(argv)
-    if flags.get("print_config"):
-        print(dump_yaml(config.to_dict()), end="")
-        return 0
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 prints and logs
     logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    config, flags = parse(argv)
+    if flags.get("print_config"):
+        print(dump_yaml(config.to_dict()), end="")
+        return 0
     from tandemrl.cli.inputs import check_inputs
 
+    if _finished(config):
+        return 0
     check_inputs(config)  # before transformers is imported: it reads HF_HUB_OFFLINE once
     from transformers.utils import logging as hf_logging
 
@@ -123,6 +155,22 @@ def main(argv: list[str]) -> int:
     lines = summary(read_metrics(run_dir), wall_s=time.monotonic() - started, run_dir=str(run_dir), checkpoint=str(checkpoint) if checkpoint else None)
     print("\n".join(lines))
     return 0
+
+
+def _finished(config: TrainConfig) -> bool:
+    """--resume of a run whose newest checkpoint is already at --max_steps: say so (nothing to train)."""
+    c = config.checkpoint
+    if not (c.resume and c.output_dir) or config.run.num_train_epochs is not None:
+        return False
+    from tandemrl.train.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(c.output_dir)
+    done = int(checkpoint.name.rpartition("-")[2]) if checkpoint is not None else 0
+    if done < config.run.max_steps:
+        return False
+    print(f"tandem train: {c.output_dir} already finished: checkpoint-{done} is step {done} of --max_steps {config.run.max_steps}; "
+          f"nothing to train (pass a larger --max_steps to train on)")  # fmt: skip
+    return True
 
 
 @contextlib.contextmanager

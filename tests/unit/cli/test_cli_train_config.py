@@ -62,8 +62,9 @@ def test_a_field_added_later_gets_its_flag_group_and_help_without_edits():
     parser = ArgumentParser(prog="t")
     add_config_args(parser, NewThingConfig)
     text = parser.format_help()
-    assert "New thing:" in text and "--mode {a,b}" in text and "--enabled, --no-enabled" in text
+    assert "New thing:" in text and "--mode {a,b}" in text and "--enabled [true|false], --no-enabled" in text
     assert vars(parser.parse_args(["--mode", "b", "--enabled"])) == {"mode": "b", "enabled": True}
+    assert vars(parser.parse_args(["--enabled", "false"])) == vars(parser.parse_args(["--no-enabled"])) == {"enabled": False}
 
 
 def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path):
@@ -141,10 +142,10 @@ def test_steps_per_generation_and_generation_batch_size_follow_trls_rules(flags,
         assert parse(args)[0].data.steps_per_round == steps
 
 
-def test_unknown_trl_keys_are_one_error_naming_each(tmp_path):
+def test_keys_neither_tandems_nor_trls_are_one_error_naming_each(tmp_path):
     path = tmp_path / "grpo.yaml"
-    path.write_text(TRL_YAML + "use_liger_kernel: true\nvllm_mode: server\n")
-    with pytest.raises(ValueError, match="unknown setting\\(s\\) use_liger_kernel, vllm_mode"):
+    path.write_text(TRL_YAML + "use_liger_kernel: true\nuse_vllm_engine: true\nzzz: 1\n")
+    with pytest.raises(ValueError, match="unknown setting\\(s\\) use_vllm_engine, zzz \\(did you mean use_vllm\\?\\)"):
         parse(["--config", str(path)])
 
 

@@ -1,0 +1,118 @@
+"""TRL 1.16's keys and value forms as `tandem train` reads them: every key of TRL's `trl grpo` (the fixture
+tests/fixtures/trl_keys.json, written from TRL 1.16 itself) has one place, and a yaml or command line in
+TRL's forms resolves to the tandem config it means."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandemrl.cli import trl
+from tandemrl.cli.train import parse
+from tandemrl.config import LEAVES
+
+FIXTURE = json.loads((Path(__file__).parents[2] / "fixtures" / "trl_keys.json").read_text())
+FLAGS = {f.name for leaf in LEAVES for f in dataclasses.fields(leaf)}
+
+
+def test_fixture_is_trl_1_16s_and_every_key_has_exactly_one_place():
+    assert FIXTURE["trl_version"].startswith("1.16")
+    for key in FIXTURE["keys"]:
+        places = [key in FLAGS, key in trl.TRANSLATED, key in trl.IGNORED, key in trl.REFUSED]
+        assert sum(places) == 1, (key, places)
+    assert trl.TRL_KEYS <= set(FIXTURE["keys"]), trl.TRL_KEYS - set(FIXTURE["keys"])  # no invented names
+    for key in trl.REFUSED:  # TRL's own default is never refused
+        assert trl._at_default(key, FIXTURE["keys"][key]["default"]), key
+
+
+def test_a_yaml_of_every_trl_key_at_its_default_is_accepted(tmp_path, caplog):
+    path = tmp_path / "all.yaml"
+    path.write_text(yaml.safe_dump({k: v["default"] for k, v in FIXTURE["keys"].items()}))
+    with caplog.at_level(logging.INFO, logger="tandemrl.cli.train"):
+        config, _ = parse(["--config", str(path)])
+    assert config.run.seed == 42 and config.algo.loss_type == "dapo" and config.trainer.lr_scheduler_type == "linear"
+    assert config.run.num_train_epochs == 3.0  # max_steps -1: the epochs decide, as TRL
+    assert config.data.num_prompts_per_step == 1  # 8 completions x 1 micro-batch / 8 generations
+    assert config.generation.top_k == -1 and config.log.report_to == () and config.algo.max_completion_length == 512
+    assert config.algo.tis_mode == "sequence_mask" and config.algo.tis_cap == 3.0
+    assert config.lora.lora_r == 0  # TRL reads lora_* only with use_peft
+    assert any("use_vllm" in r.message and "ignored" in r.message for r in caplog.records)
+
+
+TRL_DOCS_YAML = """\
+model_name_or_path: {model}
+dataset_name: {data}
+output_dir: {out}
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 2
+num_generations: 4
+bf16: true
+report_to: none
+use_vllm: true
+learning_rate: 1.0e-6
+logging_steps: 0.5
+max_steps: 2
+"""
+
+
+def test_trl_docs_yaml_translates_with_one_line_each(tmp_path, caplog):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(TRL_DOCS_YAML.format(model="m", data="d.jsonl", out=tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="tandemrl.cli.train"):
+        config, _ = parse(["--config", str(path)])
+    assert (config.run.model, config.data.dataset, config.run.task) == ("m", "d.jsonl", "")
+    assert config.data.num_prompts_per_step == 2 and config.data.num_generations == 4  # 4 x 2 / 4
+    assert config.trainer.bf16 is True and config.log.report_to == () and config.log.logging_steps == 1
+    lines = [r.message for r in caplog.records]
+    for key in ("model_name_or_path", "dataset_name", "use_vllm", "per_device_train_batch_size", "logging_steps"):
+        assert sum(key in line for line in lines) == 1, (key, lines)
+
+
+def test_trl_value_forms_on_the_command_line():
+    config, _ = parse(["--bf16", "false", "--scale_rewards", "true", "--top_k", "0", "--logging_steps", "0.1", "--report_to", "tensorboard"])
+    assert config.trainer.bf16 is False and config.algo.scale_rewards == "group" and config.generation.top_k == -1
+    assert config.log.logging_steps == 15 and config.log.report_to == ()  # 0.1 of the synthetic recipe's 150 steps
+    config, _ = parse(["--bf16", "true", "--scale_rewards", "false", "--report_to", "none", "--disable_dropout", "False"])
+    assert config.trainer.bf16 is True and config.algo.scale_rewards == "none" and config.trainer.disable_dropout is False
+    with pytest.raises(ValueError, match="bf16.*expected true or false, got 'maybe'"):
+        parse(["--bf16", "maybe"])
+    with pytest.raises(ValueError, match="report_to all: name the sinks"):
+        parse(["--report_to", "all"])
+
+
+def test_trl_names_on_the_command_line():
+    config, _ = parse([
+        "--model_name_or_path", "m", "--dataset_name", "org/data", "--dataset_config", "main", "--use_vllm",
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4", "--num_generations", "8",
+        "--vllm_gpu_memory_utilization", "0.5", "--vllm_importance_sampling_correction", "false", "--use_peft",
+    ])  # fmt: skip
+    assert (config.run.model, config.data.dataset, config.data.num_prompts_per_step) == ("m", "org/data:main", 4)
+    assert config.engine.gpu_memory_utilization == 0.5 and config.algo.tis_cap == 0.0 and config.lora.lora_r == 16
+    config, _ = parse(["--vllm_mode", "server", "--vllm_server_port", "8001", "--vllm_enable_sleep_mode", "false"])
+    assert config.generation.rollout_mode == "server" and config.generation.rollout_server_urls == ("http://127.0.0.1:8001",)
+
+
+def test_trl_keys_tandem_cannot_honour_are_refused_and_batch_conflicts_named():
+    with pytest.raises(ValueError, match="use_dora: no DoRA"):
+        parse(["--use_dora", "true"])
+    with pytest.raises(ValueError, match="not a multiple of num_generations 8"):
+        parse(["--per_device_train_batch_size", "4", "--num_generations", "8"])
+    with pytest.raises(ValueError, match="set the same thing"):
+        parse(["--per_device_train_batch_size", "8", "--num_prompts_per_step", "2"])
+    assert parse(["--optim", "adamw_torch"])[0].trainer.adam_beta2 == 0.99  # adamw_*: accepted
+
+
+@pytest.mark.parametrize(
+    "typed, meant",
+    [("--lr", "--learning_rate"), ("--gradient_accumulation_step", "--gradient_accumulation_steps"),
+     ("--per_device_train_batch", "--per_device_train_batch_size"), ("--use_vlm", "--use_vllm"),
+     ("--model_name_or_pth", "--model_name_or_path"), ("--epochs", "--num_train_epochs")],
+)  # fmt: skip
+def test_did_you_mean_searches_trls_names_and_common_aliases(typed, meant):
+    with pytest.raises(ValueError, match=f"unknown flag {typed} \\(did you mean {meant}\\?\\)"):
+        parse([typed, "1"])

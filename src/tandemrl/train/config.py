@@ -96,6 +96,10 @@ class OffloadConfig:
     offload_model: bool = False
     """During generation, keep the policy's weights (and the reference model's) in pinned CPU memory; the
     16-bit compute copy and the gradients are dropped, not copied (rebuilt from the weights for training)."""
+    cpu_optimizer: bool = False
+    """The optimizer state (AdamW moments, 8 bytes a parameter) lives in CPU memory and the optimizer step runs
+    on the CPU, streamed in chunks whose copies overlap it (ZeRO-Offload's split; one process only): the GPU
+    keeps the float32 masters and gradients. The memory plan turns it on when full fine-tuning does not fit."""
     gc_collect_after_offload: bool = False
     """After each offload, gc.collect() and hand the freed GPU memory back to the driver (empty_cache), so
     other processes see it too; otherwise it stays in PyTorch's cache for the engine of this process."""

@@ -130,7 +130,7 @@ class TrainerOffload:
         self.optimizer.wait()
 
     def optimizer_to_cpu(self) -> None:
-        if self.config.offload_optimizer and not self.optimizer.offloaded:
+        if self.config.offload_optimizer and not self.config.cpu_optimizer and not self.optimizer.offloaded:
             self.optimizer.offload(optimizer_tensors(self.trainer.optimizer))
             self._collect()
 

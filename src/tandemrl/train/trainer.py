@@ -62,13 +62,7 @@ class Trainer:
         # with LoRA the reference is the base itself: the adapters disabled (no second copy)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 and not is_lora(model) else None
         self.plan.shard_policy(model)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],  # with LoRA, only the adapters
-            lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(config, model, self.device, on_cpu=offload is not None and offload.cpu_optimizer, dp=dp)
         total = max(1, max_steps * algo.num_iterations)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
         self.offload = TrainerOffload(offload or OffloadConfig(), self)
@@ -251,6 +245,20 @@ class Trainer:
         if self.reference is not None and state["reference"] is not None:
             load_full_state_dict(self.reference, state["reference"], self.dp)
         self.plan.invalidate()  # the masters changed under the compute weights
+
+
+def build_optimizer(config: TrainerConfig, model: Any, device: torch.device, *, on_cpu: bool, dp: DataParallel = SINGLE) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters (with LoRA, only the adapters); with `on_cpu` its state and step on
+    the CPU (--cpu_optimizer, train/cpu_adam.py)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    if on_cpu:
+        if dp.enabled:
+            raise ValueError("--cpu_optimizer runs in one process; under torchrun FSDP2 already shards the optimizer state (drop the flag)")
+        from tandemrl.train.cpu_adam import CpuAdamW
+
+        return CpuAdamW(params, **options)
+    return torch.optim.AdamW(params, **options, fused=device.type == "cuda")
 
 
 def idle_batch(batch: Batch, device: torch.device) -> PackedBatch:

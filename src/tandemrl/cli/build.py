@@ -62,8 +62,9 @@ def run(config: TrainConfig) -> Path:
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
     early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
+    params = _sampling(config)  # one object: the sampler draws from it, the trainer scores under it (--generation_kwargs too)
     trainer = Trainer(
-        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=config.generation.temperature,
+        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=params.temperature,
         offload=config.offload, dp=dp,
     )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)
@@ -80,7 +81,7 @@ def run(config: TrainConfig) -> Path:
         print("\n".join(_banner(config, model, device, run_dir, dp.world_size)), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
-        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=_sampling(config),
+        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=params,
         logger=_logger(config, run_dir) if dp.is_main else Silent(), progress=_progress(config, start_step, device) if dp.is_main else Silent(),
         evals=evals, run_dir=run_dir, dp=dp,
     )  # fmt: skip

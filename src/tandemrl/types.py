@@ -115,6 +115,11 @@ def _describe(bound: dict[str, float]) -> str:
     return " and ".join(f"{ {'ge': '>=', 'gt': '>', 'le': '<='}[k]} {v}" for k, v in bound.items())
 
 
+def route_itemsize(num_experts: int) -> int:
+    """Bytes of one expert id in Completion.routes: 1 (uint8) up to 256 experts, else 2 (int16 little-endian)."""
+    return 1 if num_experts <= 256 else 2
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Completion:
     """One generate() output. Written by a Generator only; never re-tokenized downstream."""

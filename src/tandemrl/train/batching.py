@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tandemrl.train.moe import RouteLayout, packed_routes
 from tandemrl.types import TokenTrace
 
 
@@ -44,6 +45,7 @@ class PackedBatch:
     max_seqlen: int  # the longest sequence's length
     num_sequences: int
     num_trained_tokens: int  # T
+    routes: Tensor | None = None  # [N, M, k] long, the experts that sampled each target (-1: none), when traces carry routes
 
 
 def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -69,8 +71,11 @@ def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack(traces: list[TokenTrace], advantages: list[float], device: torch.device | str | None = None) -> PackedBatch:
-    """Lays `traces` end to end, shifting per-token fields to the target they predict.
+def pack(
+    traces: list[TokenTrace], advantages: list[float], device: torch.device | str | None = None, route_layout: RouteLayout | None = None
+) -> PackedBatch:
+    """Lays `traces` end to end, shifting per-token fields to the target they predict (with `route_layout`,
+    an MoE policy's: the traces' recorded routes too, train/moe.py).
 
     A trace's first token has no context, so it is never trained even if its loss_mask says so.
     Example: one trace token_ids [5, 6, 7], loss_mask [F, T, T], logprobs [0, -.1, -.2], advantage 1.0
@@ -98,6 +103,9 @@ def pack(traces: list[TokenTrace], advantages: list[float], device: torch.device
     trained = np.flatnonzero(mask)  # [T]
     on_device = functools.partial(_to_device, device=torch.device(device) if device is not None else None)
     behaviour = on_device(column("logprobs", np.float32, 0.0), np.float32)  # [N]
+    routes = None
+    if route_layout is not None and any(t.routes for t in traces):
+        routes = on_device(packed_routes(traces, ends - lengths, num_tokens, route_layout), np.int64)  # [N, M, k]
     return PackedBatch(
         input_ids=on_device(ids, np.int64).unsqueeze(0),
         position_ids=on_device(positions, np.int64).unsqueeze(0),
@@ -113,6 +121,7 @@ def pack(traces: list[TokenTrace], advantages: list[float], device: torch.device
         max_seqlen=int(lengths.max(initial=0)),
         num_sequences=len(traces),
         num_trained_tokens=len(trained),
+        routes=routes,
     )
 
 
@@ -141,8 +150,11 @@ class MicroBatches(Sequence[PackedBatch]):
     packs micro-batch i + 1 while the device still runs micro-batch i. Their trained-token count is known
     without packing."""
 
-    def __init__(self, traces: list[TokenTrace], advantages: list[float], plan: list[list[int]], device: torch.device) -> None:
+    def __init__(
+        self, traces: list[TokenTrace], advantages: list[float], plan: list[list[int]], device: torch.device, route_layout: RouteLayout | None = None
+    ) -> None:
         self._traces, self._advantages, self._plan, self._device = traces, advantages, plan, device
+        self._route_layout = route_layout
         self._packed: list[PackedBatch | None] = [None] * len(plan)
         self.num_trained_tokens = sum(num_trained_targets(traces[i]) for idx in plan for i in idx)
 
@@ -152,5 +164,5 @@ class MicroBatches(Sequence[PackedBatch]):
     def __getitem__(self, index: int) -> PackedBatch:  # type: ignore[override]
         if self._packed[index] is None:
             idx = self._plan[index]
-            self._packed[index] = pack([self._traces[i] for i in idx], [self._advantages[i] for i in idx], self._device)
+            self._packed[index] = pack([self._traces[i] for i in idx], [self._advantages[i] for i in idx], self._device, self._route_layout)
         return self._packed[index]

@@ -51,11 +51,16 @@ class TrainerConfig:
     optimizer step; gradients accumulate in float32."""
     device: str = "auto"
     """Training device: auto (cuda if present), cpu or cuda."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts policies: weight of the router's load-balancing loss added to the policy loss
+    (transformers' router_aux_loss_coef; 0 = off, the loss is still logged as train/router_aux_loss)."""
     disable_dropout: bool = True
     """TRL's name: set every dropout of the policy (and reference) to 0, so the logprobs of training equal
     those of sampling. On by default here (TRL's default is off)."""
 
     def __post_init__(self) -> None:
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"--router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
         if self.dtype not in ("float32", "bfloat16"):

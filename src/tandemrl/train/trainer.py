@@ -31,6 +31,7 @@ from tandemrl.train.distributed import (
 )  # fmt: skip
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
 from tandemrl.train.lora import is_lora, merged_weights, reference_policy, unwrap
+from tandemrl.train.moe import aux_loss, hooks, prepare_forward, route_layout
 from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
 
@@ -58,6 +59,7 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         if config.disable_dropout:
             disable_dropout(model)
+        self.route_layout = route_layout(unwrap(model))  # an MoE policy's: the routes it replays (None: dense)
         self.plan: ForwardPlan = forward_plan(config, model, dp)
         # with LoRA the reference is the base itself: the adapters disabled (no second copy)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 and not is_lora(model) else None
@@ -76,7 +78,7 @@ class Trainer:
         advantages = [a for g in groups for a in g.advantages]
         budget = microbatch_budget(self.config, self.model, self.device)
         plan = plan_microbatches([len(t.token_ids) for t in traces], budget)
-        micro = MicroBatches(traces, advantages, plan, self.device)  # packed as the loop reaches each
+        micro = MicroBatches(traces, advantages, plan, self.device, self.route_layout)  # packed as the loop reaches each
         num_tokens = self.dp.sum(micro.num_trained_tokens)  # trained tokens of every rank
         if num_tokens == 0:
             return {"train/num_trained_tokens": 0.0}
@@ -175,6 +177,12 @@ class Trainer:
         if self.algo.entropy_coef:  # the bonus acts on the tokens the policy term trains
             mask = m.loss_mask if keep is None else keep
             loss = loss - self.algo.entropy_coef * entropy_bonus(entropy, mask, share=m.num_trained_tokens / counts["num_tokens"])
+        if self.route_layout is not None:  # the router's load-balancing loss, a token-weighted mean over the step
+            share = m.num_trained_tokens / counts["num_tokens"]
+            aux = share * aux_loss(unwrap(model), hooks(unwrap(model)))
+            if self.config.router_aux_loss_coef:
+                loss = loss + self.config.router_aux_loss_coef * aux
+            metrics["train/router_aux_loss"] = aux.detach()
         metrics["loss"] = loss.detach()
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version
@@ -184,6 +192,7 @@ class Trainer:
 
     def _forward(self, model: Any, m: PackedBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropy [N] of the targets; only trained positions are scored (0 elsewhere)."""
+        prepare_forward(unwrap(model), m.routes)  # an MoE policy replays the routes the sampler recorded
         logprobs, entropy = self.plan.logprobs(unwrap(model), m, **self._head_options(with_entropy))  # [T], [T]  (peft: its transformers model)
         trained = m.trained_index  # [T]
         zeros = torch.zeros(m.target_ids.shape, dtype=torch.float32, device=m.target_ids.device)  # [N]
@@ -199,7 +208,7 @@ class Trainer:
         per_trace: list[torch.Tensor] = [torch.empty(0)] * len(traces)
         no_grad_plan = plan_microbatches(lengths, budget)
         for idx in no_grad_plan:
-            m = pack([traces[i] for i in idx], [0.0] * len(idx), self.device)
+            m = pack([traces[i] for i in idx], [0.0] * len(idx), self.device, self.route_layout)
             logprobs = self._forward(model, m, with_entropy=False)[0]
             for i, part in zip(idx, logprobs.split([lengths[i] for i in idx])):
                 per_trace[i] = part

@@ -22,6 +22,7 @@ from torch import Tensor
 from tandemrl.generation.engine.layers.moe import SparseMoe
 from tandemrl.generation.engine.models.llama import LlamaForCausalLM, RMSNorm
 from tandemrl.generation.engine.parallel import TensorParallel
+from tandemrl.types import route_itemsize
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -32,8 +33,8 @@ def is_sparse(config: Any, layer: int) -> bool:
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
-    """The dtype routes are recorded in (one byte an expert id up to 256 experts)."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
+    """The dtype routes are recorded in (types.route_itemsize: one byte an expert id up to 256 experts)."""
+    return torch.uint8 if route_itemsize(num_experts) == 1 else torch.int16
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

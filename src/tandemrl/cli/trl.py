@@ -113,7 +113,6 @@ REFUSED = {
     "max_tool_calling_iterations": "use --max_turns (tool rounds + 1)",
     "log_completions_hub_repo": "tandem writes completions.jsonl in the run directory",
     "vllm_structured_outputs_regex": "no structured outputs in tandem's engine",
-    "router_aux_loss_coef": "not in this tandem",
     "lora_target_parameters": "use --lora_target_modules",
     "use_rslora": "tandem's LoRA scales by lora_alpha / lora_r",
     "use_dora": "no DoRA in tandem",

@@ -226,10 +226,14 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
 
 def _policy(config: TrainConfig, checkpoint: Path | None, device: torch.device | None = None) -> tuple[Any, Any]:
     """The tokenizer and the policy on `device` (default: --device's); with LoRA the base model wrapped with
-    adapters (a resumed run's from its checkpoint, which holds the adapter only)."""
+    adapters (a resumed run's from its checkpoint, which holds the adapter only). A LoRA base in one process
+    on a GPU with --bf16 is loaded in bfloat16, once: it is frozen, so no float32 master and no compute copy
+    (the float32 adapters run under autocast: train/forward.py)."""
     device = device or resolve_device(config.trainer.device)
     dtype = resolve_dtype(config.trainer.dtype, device)
     lora = config.lora.enabled
+    if lora and device.type == "cuda" and config.trainer.bf16 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        dtype = torch.bfloat16
     source = str(checkpoint) if checkpoint is not None and not lora else config.run.model
     if source == TINY_MODEL:
         from tandemrl.tasks.tiny import build_model, build_tokenizer

@@ -10,6 +10,7 @@ policy per decoder layer, and its mixed-precision policy takes the compute twin'
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -23,7 +24,7 @@ from tandemrl.train.attention import layout, use_packed_attention
 from tandemrl.train.batching import PackedBatch
 from tandemrl.train.config import TrainerConfig
 from tandemrl.train.distributed import SINGLE, DataParallel, shard
-from tandemrl.train.lora import unwrap
+from tandemrl.train.lora import runs_under_autocast, unwrap
 from tandemrl.train.precision import ComputeWeights
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ForwardPlan:
     no_grad_budget_factor: int  # no-grad passes (reference, old policy) take this many times the tokens
     dp: DataParallel = SINGLE  # the ranks FSDP2 shards the policy over (SINGLE: no sharding)
     mixed: bool = False  # sharded: bfloat16 compute over float32 shards
+    autocast: torch.dtype | None = None  # LoRA over a 16-bit base: float32 adapters computed in this dtype
 
     def forward_model(self, master: Any, version: int) -> Any:
         """The model to run forward and backward on: the compute twin, fresh for `version`, or the policy."""
@@ -69,7 +71,8 @@ class ForwardPlan:
     def logprobs(self, model: Any, m: PackedBatch, **options) -> tuple[torch.Tensor, torch.Tensor]:
         """`packed_logprobs` of `model` on `m`; through the sharded model's registered method under FSDP."""
         run = model.packed_logprobs if self.dp.enabled else functools.partial(packed_logprobs, model)
-        return run(m.input_ids, m.position_ids, m.trained_index, m.target_ids, self.attention_kwargs(m), **options)
+        with torch.autocast("cuda", dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext():
+            return run(m.input_ids, m.position_ids, m.trained_index, m.target_ids, self.attention_kwargs(m), **options)
 
     def attention_kwargs(self, m: PackedBatch) -> dict:
         return layout(m.cu_seqlens, m.max_seqlen) if self.packed else {}
@@ -123,6 +126,7 @@ def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -
         no_grad_budget_factor=4 if on_cuda else 1,
         dp=dp,
         mixed=mixed,
+        autocast=torch.bfloat16 if on_cuda and runs_under_autocast(model) else None,
     )
     set_compile(plan.compile)
     set_triton(on_cuda and config.triton_logprobs)

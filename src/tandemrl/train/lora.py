@@ -32,7 +32,7 @@ def apply_lora(model: Any, config: LoraConfig, *, adapter_dir: str | None = None
     except ImportError:
         raise ValueError("--lora_r needs peft: pip install 'tandemrl[lora]' (or pip install peft)") from None
     if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+        return _float32_adapters(PeftModel.from_pretrained(model, adapter_dir, is_trainable=True))
     targets = list(config.lora_target_modules)
     peft_config = PeftLoraConfig(
         r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, task_type="CAUSAL_LM",
@@ -45,7 +45,26 @@ def apply_lora(model: Any, config: LoraConfig, *, adapter_dir: str | None = None
             "--lora_target_modules / --lora_modules_to_save: leave out the embeddings and the head (the fused logprob head "
             "reads the head's weight directly, and a tied head would differ from its embedding)"
         )
+    return _float32_adapters(model)
+
+
+def _float32_adapters(model: Any) -> Any:
+    """Over a 16-bit base: every trained tensor in float32 (peft upcasts the adapters, not the modules it
+    saves), and the adapters take the layer's 16-bit input as it is (no float32 copy of every adapted
+    layer's input kept for backward; autocast runs them in 16 bits: train/forward.py)."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    if next(unwrap(model).parameters()).dtype != torch.float32:
+        for module in model.modules():
+            if hasattr(module, "lora_A"):
+                module.cast_input_dtype_enabled = False
     return model
+
+
+def runs_under_autocast(model: Any) -> bool:
+    """A LoRA policy over a 16-bit base with float32 adapters: its forward runs under 16-bit autocast."""
+    return is_lora(model) and next(unwrap(model).parameters()).dtype in (torch.bfloat16, torch.float16)
 
 
 def is_lora(model: Any) -> bool:
@@ -82,7 +101,8 @@ def merged_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
         layer = inner.get_submodule(owner)
         if leaf == "weight":
             deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A]
-            yield f"{owner}.weight", param.detach() + sum(deltas) if deltas else param.detach()
+            # in the base's dtype: the engine's, and half the transient bytes of float32 over a 16-bit base
+            yield f"{owner}.weight", (param.detach() + sum(deltas)).to(param.dtype) if deltas else param.detach()
         else:
             yield f"{owner}.{leaf}", param.detach()
 

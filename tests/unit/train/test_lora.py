@@ -59,3 +59,29 @@ def test_published_weights_are_the_merged_policy_under_plain_names(trained):
 def test_adapters_on_the_head_are_refused():
     with pytest.raises(ValueError, match="leave out the embeddings and the head"):
         apply_lora(build_model(build_tokenizer(), seed=1), LoraConfig(lora_r=4, lora_target_modules=("q_proj", "lm_head")))
+
+
+def test_a_16_bit_base_is_one_copy_with_float32_adapters():
+    """The GPU layout on CPU: the frozen base stays bfloat16 (no float32 master, no compute copy), every
+    trained tensor is float32 (modules_to_save too), adapters take the 16-bit input as is, and under
+    16-bit autocast the adapters receive float32 gradients."""
+    from tandemrl.memory import Levers, ModelShape, Setup, residents
+    from tandemrl.train.lora import runs_under_autocast
+
+    base = build_model(build_tokenizer(), seed=1).to(torch.bfloat16)
+    model = apply_lora(base, LoraConfig(lora_r=4, lora_modules_to_save=("norm",)))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.bfloat16 for p in frozen) and all(p.dtype == torch.float32 for p in trained)
+    assert runs_under_autocast(model)
+    assert all(not m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "lora_A"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.tensor([[5, 6, 7, 8]])).logits.float().logsumexp(-1).sum()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trained)
+    # the plan's LoRA residents are these tensors' bytes (the adapters on every linear: all-linear)
+    shape = ModelShape.from_hf_config(base.config)
+    plain = residents(shape, Setup(lora_rank=4), Levers(), kv_tokens=0, microbatch_tokens=0)["training"]
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert plain["base weights"] == sum(p.nbytes for p in frozen)
+    assert plain["adapters + gradients"] == 2 * sum(p.nbytes for p in adapters)

@@ -24,7 +24,7 @@ import torch
 
 from tandemrl.algo.loss import combine_metrics, entropy_bonus, high_entropy_mask, logprob_mismatch_kl, policy_loss, token_weights
 from tandemrl.algo.presets import AlgoConfig, loss_config
-from tandemrl.train.batching import MicroBatches, PackedBatch, pack, plan_microbatches
+from tandemrl.train.batching import MicroBatches, PackedBatch, num_trained_targets, pack, plan_microbatches
 from tandemrl.train.config import OffloadConfig, TrainerConfig
 from tandemrl.train.distributed import (
     SINGLE, DataParallel, full_state_dict, full_tensor, load_full_state_dict, load_optimizer, load_whole_optimizer,
@@ -76,6 +76,10 @@ class Trainer:
         groups = self.dp.share(batch.groups)
         traces = [self._trainable(r.trace, r.status) for g in groups for r in g.rollouts]
         advantages = [a for g in groups for a in g.advantages]
+        # a trace with no trained target (masked truncated) adds nothing to the loss or its metrics: it is
+        # not packed, so no micro-batch is left without a trained token (its backward would have no graph)
+        kept = [i for i, t in enumerate(traces) if num_trained_targets(t) > 0]
+        traces, advantages = [traces[i] for i in kept], [advantages[i] for i in kept]
         budget = microbatch_budget(self.config, self.model, self.device)
         plan = plan_microbatches([len(t.token_ids) for t in traces], budget)
         micro = MicroBatches(traces, advantages, plan, self.device, self.route_layout)  # packed as the loop reaches each

@@ -164,3 +164,30 @@ def test_entropy_bonus_is_the_mean_over_the_kept_tokens_times_the_share():
     from tandemrl.algo.loss import entropy_bonus
 
     assert entropy_bonus(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([True, True, False]), share=0.5).item() == 1.0
+
+
+def test_a_microbatch_with_no_trained_token_adds_nothing_and_crashes_nothing():
+    """--mask_truncated_completions with the longest (truncated) completions packed together: a micro-batch
+    with no trained token used to raise in backward ("does not require grad"). Its traces add nothing:
+    the step equals the one-micro-batch step, metrics (KL, entropy) included."""
+    from tandemrl.types import RolloutStatus
+
+    def step(max_tokens: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        batch = make_batch(groups=2)
+        for g in batch.groups:  # the longest completion of each group is truncated
+            longest = max(g.rollouts, key=lambda r: len(r.trace.token_ids))
+            longest.status = RolloutStatus.TRUNCATED
+        model = build_model(build_tokenizer(), seed=1)
+        config = TrainerConfig(learning_rate=1e-2, max_tokens_per_microbatch=max_tokens)
+        trainer = Trainer(config, AlgoConfig(mask_truncated_completions=True, beta=0.1), model, max_steps=2)
+        return trainer.train_step(batch), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    lengths = sorted((len(r.trace.token_ids) for g in make_batch(groups=2).groups for r in g.rollouts), reverse=True)
+    small_metrics, small = step(lengths[0])  # the longest trace fills a micro-batch on its own
+    big_metrics, big = step(10_000)
+    assert small_metrics["policy_version"] == 1.0
+    for key in ("loss", "entropy", "kl", "train/logprob_mismatch"):
+        assert small_metrics[key] == pytest.approx(big_metrics[key], rel=1e-4, abs=1e-7), key
+    assert any(g.abs().max() > 1e-4 for g in big.values())
+    for name in big:
+        torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-7)

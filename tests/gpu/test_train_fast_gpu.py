@@ -93,3 +93,36 @@ def test_a_bf16_step_moves_the_float32_masters_like_a_float32_step(triton_logpro
     cosine = torch.nn.functional.cosine_similarity(moved_fast, moved_exact, dim=0)
     print(f"update direction, bf16 path vs float32: cosine {cosine:.4f}")
     assert cosine > 0.9
+
+
+def test_masked_truncated_completions_packed_together_train_at_the_05b_shape():
+    """Issue 36: with --mask_truncated_completions the longest (truncated, 1,024-token) completions are packed
+    into micro-batches of their own, with no trained token; the bf16 path's backward used to raise
+    "element 0 of tensors does not require grad". The step now trains the others, as one micro-batch would."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tandemrl.types import RolloutStatus
+
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+    )  # fmt: skip  (Qwen2.5-0.5B's shape, random weights)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    batch = _batch(seed=2)
+    rng = random.Random(2)
+    for g in batch.groups:
+        for r in g.rollouts[:2]:  # half of each group: 1,024 sampled tokens, cut at the limit
+            prompt = [t for t, trained in zip(r.trace.token_ids, r.trace.loss_mask) if not trained]
+            r.trace = TokenTrace()
+            r.trace.append_context(prompt)
+            ids = [rng.randrange(1000, 150000) for _ in range(1024)]
+            r.trace.append_sampled(Completion(token_ids=ids, logprobs=[-12.0] * 1024, finish_reason="length", policy_versions=[0] * 1024))
+            r.status = RolloutStatus.TRUNCATED
+    algo = AlgoConfig(mask_truncated_completions=True, max_completion_length=1024, loss_type="dapo")
+    trainer = Trainer(TrainerConfig(device="cuda", learning_rate=1e-6, max_tokens_per_microbatch=4096), algo, model, max_steps=2)
+    metrics = trainer.train_step(batch)
+    print({k: round(v, 4) for k, v in metrics.items() if k in ("loss", "grad_norm", "entropy", "policy_version")})
+    assert trainer.policy_version == 1 and metrics["grad_norm"] > 0
+    assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "grad_norm", "entropy"))

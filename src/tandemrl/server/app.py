@@ -77,9 +77,13 @@ def _add_status_routes(app: FastAPI, service: RolloutService) -> None:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", response_model=Readiness, summary="Readiness: model, version, queue depth, update in progress")
-    async def ready() -> dict[str, Any]:
-        return service.readiness()
+    @app.get(
+        "/ready", response_model=Readiness, responses={503: {"model": Readiness, "description": "No weights to serve (awaiting_weights)"}},
+        summary="Readiness: model, version, queue depth, update in progress; 503 while awaiting weights",
+    )  # fmt: skip
+    async def ready() -> Any:
+        readiness = service.readiness()
+        return readiness if readiness["ready"] else JSONResponse(readiness, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text format, HELP and TYPE)")
     async def metrics() -> Response:
@@ -140,7 +144,7 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
         await service.sleep(body.level)
         return {"asleep": True}
 
-    @app.post("/wake", summary="Re-allocate what sleep freed and admit requests again (after level 2 the engine waits for a weight update)")
+    @app.post("/wake", summary="Re-allocate what sleep freed and admit requests again (after level 2: 503 until a weight update)")
     async def wake() -> dict[str, bool]:
         await service.wake()
         return {"asleep": False}

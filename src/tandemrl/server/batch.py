@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from tandemrl.server.prompts import Prompter
-from tandemrl.server.service import RolloutService
+from tandemrl.server.service import Busy, RolloutService
 from tandemrl.server.wire import BatchItem, BatchResult, GenerateBatchRequest, to_sampling_params
 from tandemrl.types import SamplingParams
 
@@ -79,7 +79,8 @@ async def _lines(service: RolloutService, prompter: Prompter, tasks: dict[str, a
 def _result(service: RolloutService, prompter: Prompter, request_id: str, task: asyncio.Task) -> BatchResult:
     result = BatchResult(**service.result(request_id, task).model_dump())
     if result.error is not None:
-        result.status = 400 if isinstance(task.exception(), ValueError) else 500
+        error = task.exception()
+        result.status = 400 if isinstance(error, ValueError) else 503 if isinstance(error, Busy) else 500
     result.text = prompter.decode(result.token_ids)
     return result
 

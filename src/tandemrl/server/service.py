@@ -87,9 +87,23 @@ class RolloutService:
         finally:
             self._num_in_flight -= 1
 
+    @property
+    def awaiting_weights(self) -> bool:
+        """After a level-2 sleep (the engine dropped its weights, no copy kept), until a weight update refills them."""
+        return bool(getattr(self.generator, "awaiting_weights", False))
+
+    def check_weights(self) -> None:
+        """Raises Busy (503) while the generator has no weights: a request would wait for an update nobody may send."""
+        if self.awaiting_weights:
+            raise Busy(
+                "no weights: /sleep level 2 dropped them and no weight update has refilled them yet; "
+                "push weights (POST /weights/init, then /weights/update: tandem train does) or restart the server"
+            )
+
     def check_capacity(self, num_requests: int) -> None:
         """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests; every
         kind of request counts (blocking, batch and async ones: an async one used to bypass the limit)."""
+        self.check_weights()
         if self._num_in_flight + num_requests > self.max_pending_requests:
             raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
 
@@ -99,6 +113,7 @@ class RolloutService:
             on_token = self._timing_first_token(on_token, start)
         try:
             async with self.gate.admit():
+                self.check_weights()  # held at the gate by a level-2 sleep: refused, not held again in the engine
                 if on_token is None:
                     completion = await self.generator.generate(prompt_ids, params)
                 else:
@@ -378,7 +393,8 @@ class RolloutService:
 
     def readiness(self) -> dict[str, Any]:
         return dict(
-            ready=True,
+            ready=not self.awaiting_weights,
+            awaiting_weights=self.awaiting_weights,
             model=self.model_name,
             policy_version=self.generator.version,
             num_running=self.gate.num_running,

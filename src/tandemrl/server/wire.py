@@ -166,7 +166,8 @@ class SleepRequest(BaseModel):
 
 
 class Readiness(BaseModel):
-    ready: bool
+    ready: bool = Field(description="False (answered 503) while the server has no weights to serve: see awaiting_weights.")
+    awaiting_weights: bool = Field(False, description="After /sleep level 2 until a weight update refills the dropped weights.")
     model: str
     policy_version: int
     num_running: int

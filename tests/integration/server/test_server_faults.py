@@ -188,3 +188,34 @@ def test_a_trainer_that_hangs_up_mid_update_while_its_collectives_stay_silent_is
         assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
     finally:
         sender.close()
+
+
+def test_wake_after_sleep_level_2_without_a_push_is_not_ready_and_refuses_requests_until_weights_arrive(tiny_model_dir, tiny_tokenizer):
+    """Level 2 drops the engine's weights (no copy kept): after /wake, with no weight update yet, /ready says
+    not ready (503) and a request is a prompt 503 naming the fix, never a wait for weights nobody sends.
+    A push makes the server ready and serving again."""
+    server = start_server(tiny_model_dir, backend="engine")
+    client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=30))
+    try:
+        body = {"prompt_ids": tiny_tokenizer.encode("hello"), "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+        assert server.post("/sleep", {"level": 2}).status_code == 200
+        asleep = server.get("/ready", timeout=5)
+        assert asleep.status_code == 503 and asleep.json()["awaiting_weights"] and asleep.json()["asleep"]
+        assert server.post("/wake", {}).json() == {"asleep": False}
+        ready = server.get("/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["ready"] is False and ready.json()["awaiting_weights"], ready.text
+        started = time.monotonic()
+        refused = httpx.post(server.url + "/generate", json=body, timeout=10)
+        assert refused.status_code == 503 and "weight update" in refused.json()["detail"], refused.text
+        batch = httpx.post(server.url + "/generate_batch", json={"items": [{**body, "request_id": "a"}]}, timeout=10)
+        assert batch.status_code == 503 and "weight update" in batch.json()["detail"], batch.text
+        assert time.monotonic() - started < 5
+        model = trainer_model(tiny_model_dir, 5)
+        push(client, model.named_parameters(), version=1, config=sync())
+        ready = server.get("/ready", timeout=5)
+        assert ready.status_code == 200 and ready.json()["ready"] and not ready.json()["awaiting_weights"]
+        prompt_ids = tiny_tokenizer.encode("hello")
+        assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
+    finally:
+        client.close()
+        server.stop()

@@ -152,6 +152,12 @@ class Engine:
     streams_tokens = True  # generate() takes on_token
     caches_prefixes = True  # a request's blocks are kept for later requests to reuse (rollout/run.py warms next turns up)
 
+    @property
+    def awaiting_weights(self) -> bool:
+        """True from a level-2 sleep until weight updates have written every weight again: no step runs,
+        so a rollout server refuses requests (503) rather than hold them for weights nobody may send."""
+        return bool(self.weights.missing)
+
     # --- the Generator protocol ----------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:
         """`on_token`, if given, is called on this event loop with each token as it is sampled, all of

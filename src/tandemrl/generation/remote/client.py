@@ -132,7 +132,7 @@ class RolloutClient:
             for url in list(waiting):
                 try:
                     response = await self._http.get(url + "/ready", timeout=5.0)
-                    if response.status_code == 200:
+                    if response.status_code == 200 or _awaits_weights(response):  # up: the trainer's push will serve it
                         waiting.remove(url)
                         continue
                     last_error = f"{url} answered {response.status_code}: {response.text[:200]}"
@@ -152,7 +152,8 @@ class RolloutClient:
     async def _readiness(self) -> list[dict[str, Any]]:
         async def one(url: str) -> dict[str, Any]:
             try:
-                return json_or_raise(url, await self._http.get(url + "/ready", timeout=10.0))
+                response = await self._http.get(url + "/ready", timeout=10.0)
+                return response.json() if _awaits_weights(response) else json_or_raise(url, response)
             except httpx.TransportError as error:
                 raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
 
@@ -197,6 +198,14 @@ class RolloutClient:
             json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=timeout_s))
 
         await asyncio.gather(*(one(u, s) for u, s in zip(self.urls, specs)))
+
+
+def _awaits_weights(response: httpx.Response) -> bool:
+    """A 503 of /ready that says the server only lacks weights (after /sleep level 2): it takes a push."""
+    try:
+        return response.status_code == 503 and response.json().get("awaiting_weights") is True
+    except ValueError:
+        return False
 
 
 def _wire_item(prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:

@@ -1,15 +1,19 @@
-"""Composes the leaf configs into TrainConfig: one flag per leaf field, names unique across leaves.
+"""Composes the leaf configs into TrainConfig: one flag per leaf field, names unique across leaves, and
+resolves it into the run's Plan (plan.py): every derived setting and every rule spanning leaves, once.
 
 Leaves live beside the code they configure; the ones here belong to the run as a whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tandemrl.algo.presets import AlgoConfig
-from tandemrl.generation.base import EngineSettings
+from tandemrl.generation.base import EngineConfig, EngineSettings, GeneratorConfig, HFConfig, RemoteConfig, resolve_api_key
+from tandemrl.pipeline.settings import LoopSettings
+from tandemrl.plan import JUDGE_MEMORY_FRACTION, EngineSizing, Plan
 from tandemrl.rewards.judge import JudgeConfig
 from tandemrl.rollout.env import ToolsConfig
 from tandemrl.train.config import CheckpointConfig, LoraConfig, OffloadConfig, TrainerConfig
@@ -17,6 +21,7 @@ from tandemrl.types import SamplingParams
 from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
 
 _SAMPLING = SamplingParams()  # the sampling flags' defaults are SamplingParams' own
+_REMOTE = RemoteConfig()  # the server-mode flags' defaults are the client's own
 
 
 @dataclass(kw_only=True)
@@ -126,12 +131,13 @@ class GenerationConfig:
     """colocate (engine in the trainer's process) or server (tandem rollout servers)."""
     rollout_server_urls: tuple[str, ...] = ()
     """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
-    rollout_server_timeout: float = 240.0
+    rollout_server_timeout: float = _REMOTE.rollout_server_timeout
     """Server mode: seconds to wait for the servers to be ready before one clear error."""
     api_key: str | None = None
-    """Server mode: the servers' bearer token (default: env TANDEM_API_KEY); never saved or logged."""
+    """Server mode (and --reward_model_url): the servers' bearer token (default: env TANDEM_API_KEY); never
+    saved or logged."""
     temperature: float = _SAMPLING.temperature
-    """Sampling temperature (the trainer's logprobs use the same)."""
+    """Sampling temperature (the trainer's logprobs use the same, --generation_kwargs' included)."""
     top_p: float = _SAMPLING.top_p
     """Nucleus sampling threshold."""
     top_k: int = _SAMPLING.top_k
@@ -259,8 +265,16 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        """Rules across leaves: the memory levers and LoRA against the generator that shares the weights."""
-        g = self.generation
+        """Every rule across leaves, once: the memory levers and LoRA against the generator that shares the
+        weights, the split engine against staleness, the conversation against the prompt."""
+        g, t = self.generation, self.engine.tensor_parallel_size
+        if t > 1 and g.rollout_mode == "colocate" and g.max_staleness > 0:
+            raise ValueError(
+                f"--max_staleness {g.max_staleness} with a colocated engine split over the ranks (--tensor_parallel_size {t}) is not supported: "
+                "its collectives would run beside FSDP's while training; use --max_staleness 0, or rollout servers (--rollout_mode server)"
+            )
+        if self.tools.enabled and not self.data.max_prompt_length < self.tools.max_total_tokens:
+            raise ValueError(f"--max_total_tokens {self.tools.max_total_tokens} must exceed --max_prompt_length {self.data.max_prompt_length}; change one of them")
         shares_weights = g.rollout_mode == "colocate" and g.generator == "hf"  # the hf generator runs the trainer's model
         if shares_weights and (self.offload.offload_model or self.lora.enabled):
             raise ValueError("--offload_model and --lora_r need --generator engine (or --rollout_mode server): the hf generator runs the trainer's own model")
@@ -272,3 +286,88 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config; secrets left out."""
         return {k: v for leaf in asdict(self).values() for k, v in leaf.items() if k not in SECRETS}
+
+    def resolve(self) -> Plan:
+        """The run worked out once, on CPU, building nothing (plan.py). Pure: the same config, the same plan."""
+        engine = _engine_sizing(self) if self.generation.rollout_mode == "colocate" and self.generation.generator == "engine" else None
+        loop = _loop(self)
+        return Plan(sampling=_sampling(self), engine=engine, generator=_generator(self, engine), judge=_judge(self), loop=loop, notes=_notes(loop))
+
+
+def _sampling(config: TrainConfig) -> SamplingParams:
+    """The sampling flags, overridden by --generation_kwargs keys that SamplingParams knows (as in TRL).
+
+    Example: --temperature 1.0 --generation_kwargs '{"temperature": 0.7}' -> SamplingParams(temperature=0.7, ...)
+    """
+    g = config.generation
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in g.generation_kwargs.items() if k in SAMPLING_KEYS}
+    return SamplingParams(**{
+        "max_tokens": config.algo.max_completion_length, "temperature": g.temperature, "top_p": g.top_p,
+        "top_k": g.top_k, "min_p": g.min_p, "repetition_penalty": g.repetition_penalty, **overrides,
+    })  # fmt: skip
+
+
+def _engine_sizing(config: TrainConfig) -> EngineSizing:
+    """The colocated engine sized for this run: one generation round's sequences, each as long as it may get."""
+    e, d = config.engine, config.data
+    wanted = d.max_prompt_length + config.algo.max_completion_length
+    if config.tools.enabled:
+        wanted = max(wanted, config.tools.max_total_tokens)
+    return EngineSizing(
+        max_model_len=e.model_len(max_positions=None, wanted=wanted),
+        max_num_seqs=min(e.max_num_seqs, d.num_prompts_per_step * d.num_generations * d.steps_per_round),
+        gpu_memory_utilization=e.memory_fraction(colocated=True),
+    )
+
+
+def _generator(config: TrainConfig, sizing: EngineSizing | None) -> GeneratorConfig:
+    """The policy's backend, per --rollout_mode and --generator; colocated on --generator_device, else --device."""
+    g = config.generation
+    if g.rollout_mode == "server":
+        return RemoteConfig(urls=tuple(g.rollout_server_urls), api_key=resolve_api_key(g.api_key), rollout_server_timeout=g.rollout_server_timeout)
+    device = g.generator_device or config.trainer.device
+    if sizing is None:
+        return HFConfig(device=device, generation_kwargs=g.hf_generation_kwargs())
+    settings = {**dataclasses.asdict(config.engine), **dataclasses.asdict(sizing)}
+    return EngineConfig(**settings, device=device, seed=config.run.seed)
+
+
+def _judge(config: TrainConfig) -> GeneratorConfig | None:
+    """The LLM judge's backend: its server (with the policy servers' API key), or its own engine beside the
+    policy's; None without a judge model (a plugin may need none)."""
+    j = config.judge
+    if j.reward_model_url:
+        key = resolve_api_key(config.generation.api_key)
+        return RemoteConfig(urls=(j.reward_model_url,), api_key=key, rollout_server_timeout=config.generation.rollout_server_timeout)
+    if j.reward_model:
+        return EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=JUDGE_MEMORY_FRACTION)
+    return None
+
+
+def _loop(config: TrainConfig) -> LoopSettings:
+    return LoopSettings(
+        max_steps=config.run.max_steps,
+        num_prompts_per_step=config.data.num_prompts_per_step,
+        num_generations=config.data.num_generations,
+        scale_rewards=config.algo.scale_rewards,
+        drop_zero_variance_groups=config.algo.dynamic_sampling,
+        max_dynamic_sampling_rounds=config.algo.max_dynamic_sampling_rounds,
+        seed=config.run.seed,
+        sleep_level=config.generation.sleep_level,
+        log_completions_steps=config.log.log_completions_steps,
+        save_steps=config.checkpoint.save_steps,
+        save_total_limit=config.checkpoint.save_total_limit,
+        max_staleness=config.generation.max_staleness,
+        steps_per_generation=config.data.steps_per_round,
+        logprob_mismatch_warning=config.log.logprob_mismatch_warning,
+        reward_nonfinite=config.reward.reward_nonfinite,
+        reward_timeout_s=config.reward.reward_timeout_s,
+        save_merged=config.lora.lora_save_merged,
+    )
+
+
+def _notes(loop: LoopSettings) -> tuple[str, ...]:
+    notes = []
+    if loop.drop_zero_variance_groups and not loop.refills:
+        notes.append("zero-variance groups are dropped but the batch is not refilled (dynamic sampling needs --max_staleness 0 and --steps_per_generation 1)")
+    return tuple(notes)

@@ -14,7 +14,7 @@ ROOT = Path(tandemrl.__file__).parent
 LAYERS = {
     "types": 0, "threads": 0, "algo": 1, "rewards": 1, "rollout.env": 1, "rollout.tools": 1, "rollout.chat": 1, "rollout.mcp": 1,
     "data": 1, "logging": 1, "memory": 1, "generation": 2, "train": 2, "weights": 3, "rollout": 3, "server": 4,
-    "pipeline": 4, "config": 5, "tasks": 5, "cli": 6,
+    "pipeline": 4, "config": 5, "plan": 5, "tasks": 5, "cli": 6,
 }
 
 

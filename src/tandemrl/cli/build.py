@@ -1,5 +1,5 @@
-"""Builds the parts of a training run from their leaf configs and runs the loop (after parsing, so the
-heavy imports here never slow `--help`)."""
+"""Builds the parts of a training run from its Plan (config.py resolves it) and leaf configs, and runs the
+loop (after parsing, so the heavy imports here never slow `--help`). Nothing here derives a setting."""
 
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ import torch
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
 from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
-from tandemrl.config import SAMPLING_KEYS, TrainConfig
+from tandemrl.config import TrainConfig
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
-from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
+from tandemrl.generation.base import build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from tandemrl.pipeline.evaluate import EvalSet
-from tandemrl.pipeline.loop import LoopParts, LoopSettings, publish_policy, run_loop
+from tandemrl.pipeline.loop import publish_policy, run_loop
+from tandemrl.pipeline.parts import EvalSet, LoopParts
+from tandemrl.pipeline.settings import LoopSettings
+from tandemrl.plan import Plan
 from tandemrl.rewards.base import RewardFunc, load_reward_funcs
 from tandemrl.rewards.judge import build_judge
 from tandemrl.rollout.chat import ChatFormat
@@ -37,15 +39,17 @@ from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_sta
 from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
 from tandemrl.train.forward import compute_dtype
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import Example, SamplingParams
+from tandemrl.types import Example
 from tandemrl.weights.base import build_weight_sync
 from tandemrl.weights.sharded import ShardedSync
 
 log = logging.getLogger(__name__)
 
 
-def run(config: TrainConfig) -> Path:
-    """Runs the whole training (this rank's part of it under torchrun); returns the run directory."""
+def run(config: TrainConfig, plan: Plan | None = None) -> Path:
+    """Runs the whole training (this rank's part of it under torchrun); returns the run directory.
+    `plan`: config.resolve(), when the caller has it already."""
+    plan = plan or config.resolve()
     device = resolve_device(config.trainer.device)
     dp = start_ranks(config, use_cuda=device.type == "cuda")
     device = dp.device(device)
@@ -57,14 +61,13 @@ def run(config: TrainConfig) -> Path:
     task = _task(config)
     examples = _data(config, task)
     evals = _eval_set(config)
-    config = with_epochs(config, len(examples))
-    judge_generator, judge = _judge(config, scores=dp.scores)
+    plan = plan.with_max_steps(max_steps(config, len(examples)))
+    judge_generator, judge = _judge(config, plan, scores=dp.scores)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
-    early = _rollout_side(config, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
-    params = _sampling(config)  # one object: the sampler draws from it, the trainer scores under it (--generation_kwargs too)
+    early = _rollout_side(config, plan, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
     trainer = Trainer(
-        config.trainer, config.algo, model, max_steps=config.run.max_steps, temperature=params.temperature,
+        config.trainer, config.algo, model, max_steps=plan.loop.max_steps, temperature=plan.sampling.temperature,
         offload=config.offload, dp=dp,
     )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)
@@ -74,22 +77,22 @@ def run(config: TrainConfig) -> Path:
         cursor.load_state_dict(state["cursor"])
         log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
     start_step = state["step"] if state is not None else 0
-    generator, sync = early or _rollout_side(config, model, tokenizer, dp=dp)
+    generator, sync = early or _rollout_side(config, plan, model, tokenizer, dp=dp)
     device = next(model.parameters()).device
     if dp.is_main:
         _save_config(config, run_dir)
-        print("\n".join(_banner(config, model, device, run_dir, dp.world_size)), flush=True)
+        print("\n".join(_banner(config, plan, model, device, run_dir, dp.world_size)), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
-        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=params,
-        logger=_logger(config, run_dir) if dp.is_main else Silent(), progress=_progress(config, start_step, device) if dp.is_main else Silent(),
+        tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=plan.sampling,
+        logger=_logger(config, run_dir) if dp.is_main else Silent(), progress=_progress(config, plan, start_step, device) if dp.is_main else Silent(),
         evals=evals, run_dir=run_dir, dp=dp,
     )  # fmt: skip
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         with frozen_heap():
-            asyncio.run(_main(parts, _settings(config), start_step, config, judge_generator))
+            asyncio.run(_main(parts, plan.loop, start_step, config, judge_generator))
     finally:
         parts.progress.close()
         parts.logger.close()
@@ -105,11 +108,11 @@ def _logger(config: TrainConfig, run_dir: Path) -> Any:
     return MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name)
 
 
-def _progress(config: TrainConfig, start_step: int, device: torch.device) -> Any:
+def _progress(config: TrainConfig, plan: Plan, start_step: int, device: torch.device) -> Any:
     from tandemrl.logging.progress import Progress
 
     return Progress(
-        config.run.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
+        plan.loop.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
         num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
         heartbeat_s=config.log.heartbeat_s, watch=True,
     )  # fmt: skip
@@ -137,7 +140,7 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
             await judge_generator.close()
 
 
-def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path, num_ranks: int) -> list[str]:
+def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, run_dir: Path, num_ranks: int) -> list[str]:
     from tandemrl.logging.console import banner
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
@@ -153,7 +156,7 @@ def _banner(config: TrainConfig, model: Any, device: torch.device, run_dir: Path
         model=config.run.model, num_parameters=sum(p.numel() for p in model.parameters()), task=config.run.task,
         device=where, dtype=f"{config.trainer.dtype} weights{autocast}", num_prompts=config.data.num_prompts_per_step,
         num_generations=config.data.num_generations, loss_type=config.algo.loss_type,
-        learning_rate=config.trainer.learning_rate, max_steps=config.run.max_steps, run_dir=str(run_dir),
+        learning_rate=config.trainer.learning_rate, max_steps=plan.loop.max_steps, run_dir=str(run_dir),
     )  # fmt: skip
 
 
@@ -251,27 +254,22 @@ def _policy(config: TrainConfig, checkpoint: Path | None, device: torch.device |
     return tokenizer, model
 
 
-def with_epochs(config: TrainConfig, num_examples: int) -> TrainConfig:
-    """--num_train_epochs, when set, decides the steps: ceil(epochs x examples / prompts per step).
+def max_steps(config: TrainConfig, num_examples: int) -> int:
+    """--max_steps, or when --num_train_epochs is set, ceil(epochs x examples / prompts per step).
 
-    Example: 2 epochs of 100 examples at 16 prompts per step -> max_steps 13
+    Example: 2 epochs of 100 examples at 16 prompts per step -> 13
     """
     epochs = config.run.num_train_epochs
     if epochs is None:
-        return config
-    steps = max(1, math.ceil(epochs * num_examples / config.data.num_prompts_per_step))
-    return dataclasses.replace(config, run=dataclasses.replace(config.run, max_steps=steps))
+        return config.run.max_steps
+    return max(1, math.ceil(epochs * num_examples / config.data.num_prompts_per_step))
 
 
 def _check_conversation_length(config: TrainConfig, model: Any) -> None:
-    if not config.tools.enabled:
-        return
-    limit = getattr(model.config, "max_position_embeddings", None) or config.tools.max_total_tokens
-    if not config.data.max_prompt_length < config.tools.max_total_tokens <= limit:
-        raise ValueError(
-            f"--max_total_tokens {config.tools.max_total_tokens} must exceed --max_prompt_length {config.data.max_prompt_length} "
-            f"and fit the model's {limit} positions; change one of them"
-        )
+    """A tool conversation fits the model's positions (the rule against --max_prompt_length is config.py's)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if config.tools.enabled and limit and config.tools.max_total_tokens > limit:
+        raise ValueError(f"--max_total_tokens {config.tools.max_total_tokens} must fit the model's {limit} positions; lower it")
 
 
 def _task(config: TrainConfig) -> Task | None:
@@ -333,7 +331,7 @@ def _reward_weights(config: TrainConfig, task: Task | None, judge: RewardFunc | 
     return task.reward_weights + ([1.0] if judge is not None else [])
 
 
-def _judge(config: TrainConfig, *, scores: bool = True) -> tuple[Any, RewardFunc | None]:
+def _judge(config: TrainConfig, plan: Plan, *, scores: bool = True) -> tuple[Any, RewardFunc | None]:
     """The generative reward model's Generator (None for a plugin that needs none) and its reward function.
     On a rank that scores no groups (`DataParallel.scores`) neither is built: the judge's place among the
     reward functions is kept, and calling it there is a bug."""
@@ -343,29 +341,15 @@ def _judge(config: TrainConfig, *, scores: bool = True) -> tuple[Any, RewardFunc
     if not scores:
         return None, RewardFunc(name="reward_model", fn=_judged_elsewhere)
     generator = tokenizer = None
-    if j.reward_model:
+    if plan.judge is not None:  # its server, or its own engine beside the policy's, in its own thread
         tokenizer = load_tokenizer(j.reward_model)
-        if j.reward_model_url:
-            generator = build_generator(RemoteConfig(urls=(j.reward_model_url,), rollout_server_timeout=config.generation.rollout_server_timeout))
-        else:  # its own engine beside the policy's, in its own thread
-            backend = EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=0.2)
-            generator = build_generator(backend, tokenizer=tokenizer)
+        generator = build_generator(plan.judge, tokenizer=tokenizer)
     judge = build_judge(j, generator=generator, tokenizer=tokenizer)
     return generator, RewardFunc(name="reward_model", fn=judge)
 
 
 def _judged_elsewhere(*_: Any, **__: Any) -> list:
     raise RuntimeError("the reward model scores on the ranks that generate; this rank generates no groups")
-
-
-def _sampling(config: TrainConfig) -> SamplingParams:
-    """The sampling flags, overridden by --generation_kwargs keys that SamplingParams knows (as in TRL)."""
-    r = config.generation
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in r.generation_kwargs.items() if k in SAMPLING_KEYS}
-    return SamplingParams(**{
-        "max_tokens": config.algo.max_completion_length, "temperature": r.temperature, "top_p": r.top_p,
-        "top_k": r.top_k, "min_p": r.min_p, "repetition_penalty": r.repetition_penalty, **overrides,
-    })  # fmt: skip
 
 
 def _engine_ranks(dp: DataParallel) -> Any:
@@ -379,67 +363,29 @@ def _engine_ranks(dp: DataParallel) -> Any:
 
 
 def _rollout_side(
-    config: TrainConfig, model: Any, tokenizer: Any, *, device: str = "", tp: Any = None, dp: DataParallel = SINGLE
+    config: TrainConfig, plan: Plan, model: Any, tokenizer: Any, *, device: str = "", tp: Any = None, dp: DataParallel = SINGLE
 ) -> tuple[Any, Any]:
-    """The Generator and the WeightSync that feeds it, per --rollout_mode and --generator (colocated on
-    `device`, default the trainer's --device; split over the ranks of `tp` when given). Servers under
-    torchrun: rank 0's client, and every rank's share of the sharded push. Under torchrun the shards are
-    gathered in the trainer's 16-bit compute dtype (in one process the trainer publishes its 16-bit twin)."""
-    r = config.generation
+    """The Generator of `plan.generator` and the WeightSync that feeds it (colocated on `device` when given,
+    this rank's under torchrun; split over the ranks of `tp` when given). Servers under torchrun: rank 0's
+    client, and every rank's share of the sharded push. Under torchrun the shards are gathered in the
+    trainer's 16-bit compute dtype (in one process the trainer publishes its 16-bit twin)."""
     gather_dtype = compute_dtype(config.trainer, model) if dp.enabled else None
-    if r.rollout_mode == "server":
+    if config.generation.rollout_mode == "server":
         batches = config.local_sync.move_model_batches
         if dp.enabled and not dp.is_main:
             return ServedByRankZero(), ShardedSync(None, dp, move_model_batches=batches, gather_dtype=gather_dtype)
-        remote = RemoteConfig(urls=tuple(r.rollout_server_urls), api_key=r.api_key, rollout_server_timeout=r.rollout_server_timeout)
-        generator = build_generator(remote)
+        generator = build_generator(plan.generator)
         sync = build_weight_sync(config.distributed_sync, generator)
         if dp.enabled:
             sync = ShardedSync(sync, dp, move_model_batches=batches, gather_dtype=gather_dtype)
         return generator, sync
-    device = device or config.trainer.device
-    if r.generator == "engine":  # sized for this run: one generation round's sequences, each as long as it may get
-        e = config.engine
-        wanted = config.data.max_prompt_length + config.algo.max_completion_length
-        if config.tools.enabled:
-            wanted = max(wanted, config.tools.max_total_tokens)
-        sized = dataclasses.replace(
-            e,
-            max_model_len=e.model_len(max_positions=None, wanted=wanted),
-            max_num_seqs=min(e.max_num_seqs, config.data.num_prompts_per_step * config.data.num_generations * config.data.steps_per_round),
-            gpu_memory_utilization=e.memory_fraction(colocated=True),
-        )
-        backend: EngineConfig | HFConfig = EngineConfig(**dataclasses.asdict(sized), device=r.generator_device or device, seed=config.run.seed)
-    else:
-        backend = HFConfig(device=device, generation_kwargs=r.hf_generation_kwargs())
+    backend = dataclasses.replace(plan.generator, device=device) if device and not config.generation.generator_device else plan.generator
     if config.lora.enabled:  # the engine reads a plain model: the merged weights under their plain names
         from tandemrl.train.lora import MergedView
 
         model = MergedView(model)
     generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp)
     return generator, build_weight_sync(config.local_sync, generator, gather_dtype=gather_dtype)
-
-
-def _settings(config: TrainConfig) -> LoopSettings:
-    return LoopSettings(
-        max_steps=config.run.max_steps,
-        num_prompts_per_step=config.data.num_prompts_per_step,
-        num_generations=config.data.num_generations,
-        scale_rewards=config.algo.scale_rewards,
-        drop_zero_variance_groups=config.algo.dynamic_sampling,
-        max_dynamic_sampling_rounds=config.algo.max_dynamic_sampling_rounds,
-        seed=config.run.seed,
-        sleep_level=config.generation.sleep_level,
-        log_completions_steps=config.log.log_completions_steps,
-        save_steps=config.checkpoint.save_steps,
-        save_total_limit=config.checkpoint.save_total_limit,
-        max_staleness=config.generation.max_staleness,
-        steps_per_generation=config.data.steps_per_round,
-        logprob_mismatch_warning=config.log.logprob_mismatch_warning,
-        reward_nonfinite=config.reward.reward_nonfinite,
-        reward_timeout_s=config.reward.reward_timeout_s,
-        save_merged=config.lora.lora_save_merged,
-    )
 
 
 def _save_config(config: TrainConfig, run_dir: Path) -> None:

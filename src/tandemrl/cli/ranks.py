@@ -14,13 +14,9 @@ from tandemrl.train.distributed import DataParallel, init_data_parallel
 
 
 def start_ranks(config: TrainConfig, use_cuda: bool) -> DataParallel:
-    """The process group of a torchrun launch (SINGLE without one), once the config can run on it."""
+    """The process group of a torchrun launch (SINGLE without one), once the config can run on it (the
+    rules of the config alone are config.py's; these are those of the launch)."""
     g, p, t = config.generation, config.data.num_prompts_per_step, config.engine.tensor_parallel_size
-    if t > 1 and g.rollout_mode == "colocate" and g.max_staleness > 0:
-        raise ValueError(
-            f"--max_staleness {g.max_staleness} with a colocated engine split over the ranks (--tensor_parallel_size {t}) is not supported: "
-            "its collectives would run beside FSDP's while training; use --max_staleness 0, or rollout servers (--rollout_mode server)"
-        )
     dp = init_data_parallel(use_cuda)
     if t > 1 and g.rollout_mode == "colocate" and dp.world_size % t:
         raise ValueError(

@@ -22,6 +22,7 @@ from tandemrl.config import LEAVES, TrainConfig
 log = logging.getLogger(__name__)
 RAW_FLAGS = ("scale_rewards", "logging_steps", "save_steps", "eval_steps", "report_to", "dtype")
 """Flags whose values argparse keeps as text: TRL writes other forms of them (trl.finish translates)."""
+PLAN_KEY = "plan"  # --print_config's key of the resolved plan
 
 # Help-group titles by leaf class name; a leaf not named here gets one from its class name.
 TITLES = {
@@ -54,7 +55,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
         hints=trl.HINTS,
     )
     parser.add_argument("--config", default=None, metavar="YAML", help="YAML file of flag: value defaults (flags override)")
-    parser.add_argument("--print_config", action="store_true", help="print the resolved configuration as YAML and exit")
+    parser.add_argument("--print_config", action="store_true", help="print the resolved configuration and its plan (what the run builds) as YAML, and exit")
     notes = recipe_notes()
     for leaf in LEAVES:
         add_config_args(parser, leaf, title=TITLES.get(leaf.__name__), notes=notes, raw=RAW_FLAGS)
@@ -63,6 +64,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config")
     yaml_values = load_yaml(config_path) if config_path else {}
+    yaml_values.pop(PLAN_KEY, None)  # --print_config's output is a --config file: the plan is derived, never read
     check_known(yaml_values, list(LEAVES), config_path or "", command="train", also=trl.TRL_KEYS, hints=trl.HINTS)
     given = {k: _unwrap(v) if k in trl.TRL_KEYS else v for k, v in flags.items() if k != "print_config"}
     values = _translated(yaml_values, given)
@@ -129,9 +131,12 @@ def main(argv: list[str]) -> int:
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config, flags = parse(argv)
-    if flags.get("print_config"):
-        print(dump_yaml(config.to_dict()), end="")
+    plan = config.resolve()
+    if flags.get("print_config"):  # the flags (a --config file as is; its plan: key is ignored there) and what they resolve to
+        print(dump_yaml({**config.to_dict(), PLAN_KEY: plan.to_dict()}), end="")
         return 0
+    for note in plan.notes:
+        log.warning(note)
     from tandemrl.cli.inputs import check_inputs
 
     if _finished(config):
@@ -144,7 +149,7 @@ def main(argv: list[str]) -> int:
 
     started = time.monotonic()
     with ctrl_c_ends_the_run():
-        run_dir = run(config)
+        run_dir = run(config, plan)
     if rank:
         return 0
     from tandemrl.logging.console import summary

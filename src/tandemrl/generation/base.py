@@ -8,6 +8,7 @@ weights that produced them, and no token is produced from half-updated weights.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -18,6 +19,16 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def resolve_api_key(given: str | None) -> str | None:
+    """The one fallback of every --api_key (tandem train's, tandem rollout's): the flag, else env TANDEM_API_KEY.
+
+    Example: resolve_api_key(None) with TANDEM_API_KEY=k -> "k"; resolve_api_key("") -> None
+    """
+    return given or os.environ.get(API_KEY_ENV) or None
 
 
 @runtime_checkable
@@ -140,7 +151,7 @@ class RemoteConfig:
     urls: tuple[str, ...] = ()
     """Server base URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
     api_key: str | None = None
-    """Bearer token of the servers (or env TANDEM_API_KEY)."""
+    """Bearer token of the servers, sent as is (the env fallback is resolve_api_key's, applied by the caller)."""
     rollout_server_timeout: float = 240.0
     """Seconds to wait for the servers to become ready before one clear error."""
     request_timeout_s: float = 600.0

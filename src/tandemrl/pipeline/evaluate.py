@@ -8,37 +8,17 @@ training cursor and trains nothing, so a run with evaluation trains exactly as t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tandemrl.pipeline.producer import score_groups
+from tandemrl.pipeline.parts import EvalSet, LoopParts
+from tandemrl.pipeline.producer import reward_metrics, score_groups
 from tandemrl.rollout.group import failed, play_group
-from tandemrl.types import Example
-
-if TYPE_CHECKING:
-    from tandemrl.pipeline.loop import LoopParts
 
 EVAL_SEED_OFFSET = 7_777_777  # eval samples with seeds apart from every training step's
 
 
-@dataclass(kw_only=True)
-class EvalSet:
-    """The eval prompts and how often and how widely they are sampled (from DataConfig)."""
-
-    examples: list[Example]
-    prompt_ids: list[list[int]]  # [num_examples][prompt tokens]
-    eval_steps: int
-    num_generations: int
-
-    def due(self, step: int, max_steps: int) -> bool:
-        """Every eval_steps steps, and after the last (TRL evaluates on its eval_steps schedule)."""
-        return bool(self.examples) and self.eval_steps > 0 and (step % self.eval_steps == 0 or step == max_steps)
-
-
 async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, seed: int) -> dict[str, float]:
     """eval_* metrics of every eval prompt, num_generations completions each, at the current weights."""
-    from tandemrl.pipeline.loop import reward_metrics  # the loop imports this module
-
     g = evals.num_generations
     groups = await asyncio.gather(*(
         play_group(

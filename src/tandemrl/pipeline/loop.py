@@ -18,83 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from tandemrl.algo.advantage import group_relative_advantages, nan_std, zero_variance_groups
-from tandemrl.data.cursor import PromptCursor
-from tandemrl.generation.base import Generator
 from tandemrl.logging.console import readable_text
-from tandemrl.logging.metrics import MetricsLogger
-from tandemrl.logging.progress import Progress
 from tandemrl.pipeline.buffer import RolloutBuffer
-from tandemrl.pipeline.evaluate import EvalSet, evaluate
-from tandemrl.pipeline.producer import Producer, generation_rounds, group_seed, mark_failed, score_groups
-from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState
+from tandemrl.pipeline.evaluate import evaluate
+from tandemrl.pipeline.parts import LoopParts
+from tandemrl.pipeline.producer import (
+    Producer, generation_rounds, group_seed, mark_failed, reward_matrix, reward_metrics, score_groups,
+)  # fmt: skip
+from tandemrl.pipeline.settings import LoopSettings
+from tandemrl.rewards.base import RewardTimeoutError, TrainerState
 from tandemrl.rollout.group import failed, play_group, turn_metrics
-from tandemrl.rollout.run import MultiTurn, completion_text
+from tandemrl.rollout.run import completion_text
 from tandemrl.train.checkpoint import save_checkpoint
-from tandemrl.train.distributed import SINGLE, DataParallel
-from tandemrl.train.trainer import Trainer
-from tandemrl.types import Batch, Example, Group, RunStopped, SamplingParams
-from tandemrl.weights.base import WeightSync
+from tandemrl.types import Batch, Group, RunStopped
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class LoopSettings:
-    """The loop's knobs, resolved from the leaf configs by cli/."""
-
-    max_steps: int
-    num_prompts_per_step: int
-    num_generations: int
-    scale_rewards: str
-    drop_zero_variance_groups: bool
-    max_dynamic_sampling_rounds: int = 3
-    seed: int
-    sleep_level: int
-    log_completions_steps: int
-    save_steps: int
-    save_total_limit: int
-    reward_nonfinite: str = "error"
-    reward_timeout_s: float | None = None
-    max_staleness: int = 0
-    steps_per_generation: int = 1
-    logprob_mismatch_warning: float = 0.0
-    save_merged: bool = False  # LoRA: checkpoints hold the merged model too
-
-    @property
-    def max_policy_lag(self) -> int:
-        """S + K - 1: a round may start S steps early, and its last step trains K - 1 versions after it."""
-        return self.max_staleness + self.steps_per_generation - 1
-
-
-@dataclass(kw_only=True)
-class LoopParts:
-    """What the loop drives; built by cli/ (each part from its own leaf config)."""
-
-    examples: list[Example]
-    prompt_ids: list[list[int]]  # [num_examples][prompt tokens]
-    cursor: PromptCursor
-    generator: Generator
-    sync: WeightSync
-    trainer: Trainer
-    tokenizer: Any
-    reward_funcs: list[RewardFunc]
-    reward_weights: list[float] | None
-    params: SamplingParams
-    logger: MetricsLogger
-    progress: Progress
-    run_dir: Path
-    multi_turn: MultiTurn | None = None  # tools: rollouts play turns until the model stops calling them
-    evals: EvalSet | None = None
-    dp: DataParallel = SINGLE  # under torchrun: which groups this rank generates and trains
 
 
 async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int = 0) -> dict[str, float]:
@@ -108,11 +51,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     await asyncio.to_thread(parts.trainer.offload.model_to_cpu)
     producer.start()
     metrics: dict[str, float] = {}
-    refill = settings.drop_zero_variance_groups and settings.max_staleness == 0 and settings.steps_per_generation == 1
-    if settings.drop_zero_variance_groups and not refill:
-        log.warning(
-            "zero-variance groups are dropped but the batch is not refilled (dynamic sampling needs --max_staleness 0 and --steps_per_generation 1)"
-        )
+    refill = settings.refills
     num_refilled = 0  # prompts taken by dynamic sampling's extra rounds, beyond the producer's P a step
     steps: list[list[Group]] = []  # the groups of the current round's steps not trained yet
     sizes = iter(rounds)
@@ -268,11 +207,6 @@ def frac_zero_std(rewards: torch.Tensor, flat: torch.Tensor, scale: str) -> floa
     return float(flat.double().mean())
 
 
-def reward_matrix(groups: list[Group]) -> torch.Tensor:
-    """[P, G] float64 rewards, NaN where a rollout is unscorable (every reward function returned None)."""
-    return torch.tensor([[math.nan if x is None else x for x in g.rewards] for g in groups], dtype=torch.float64)
-
-
 def policy_lags(groups: list[Group], version: int) -> list[int]:
     """Per sampled token, how many versions the trained weights are ahead of those that sampled it.
 
@@ -280,27 +214,6 @@ def policy_lags(groups: list[Group], version: int) -> list[int]:
     oldest token's. Example: tokens sampled at versions [3, 4], trained at version 4 -> [1, 0]
     """
     return [version - v for g in groups for r in g.rollouts for v, m in zip(r.trace.policy_versions, r.trace.loss_mask) if m]
-
-
-def reward_metrics(groups: list[Group]) -> dict[str, float]:
-    """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out."""
-    rewards = reward_matrix(groups)  # [P, G]
-    rollouts = [r for g in groups for r in g.rollouts]
-    lengths = torch.tensor([r.trace.num_sampled for r in rollouts], dtype=torch.float64)
-    metrics = {
-        "reward": float(rewards.nanmean()),
-        "reward_std": float(nan_std(rewards.flatten(), dim=0)),  # TRL: Bessel-corrected std of all the step's rewards
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
-    }
-    for name in rollouts[0].rewards:
-        values = torch.tensor([r.rewards[name] for r in rollouts if r.rewards[name] is not None], dtype=torch.float64)
-        if values.numel():
-            metrics[f"rewards/{name}/mean"] = float(values.mean())
-            metrics[f"rewards/{name}/std"] = float(nan_std(values, dim=0))  # Bessel-corrected, as TRL
-    return metrics
 
 
 async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Batch) -> dict[str, float]:

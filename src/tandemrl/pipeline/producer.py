@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from tandemrl.algo.advantage import nan_std
 from tandemrl.pipeline.buffer import RolloutBuffer
 from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState, score
 from tandemrl.rollout.group import failed, play_group
@@ -24,7 +27,8 @@ from tandemrl.rollout.run import conversation_of
 from tandemrl.types import Group, RolloutStatus
 
 if TYPE_CHECKING:
-    from tandemrl.pipeline.loop import LoopParts, LoopSettings
+    from tandemrl.pipeline.parts import LoopParts
+    from tandemrl.pipeline.settings import LoopSettings
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +187,29 @@ def mark_failed(groups: list[Group]) -> None:
     for group in groups:
         for rollout in group.rollouts:
             rollout.status = RolloutStatus.ERROR
+
+
+def reward_matrix(groups: list[Group]) -> torch.Tensor:
+    """[P, G] float64 rewards, NaN where a rollout is unscorable (every reward function returned None)."""
+    return torch.tensor([[math.nan if x is None else x for x in g.rewards] for g in groups], dtype=torch.float64)
+
+
+def reward_metrics(groups: list[Group]) -> dict[str, float]:
+    """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out."""
+    rewards = reward_matrix(groups)  # [P, G]
+    rollouts = [r for g in groups for r in g.rollouts]
+    lengths = torch.tensor([r.trace.num_sampled for r in rollouts], dtype=torch.float64)
+    metrics = {
+        "reward": float(rewards.nanmean()),
+        "reward_std": float(nan_std(rewards.flatten(), dim=0)),  # TRL: Bessel-corrected std of all the step's rewards
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+    }
+    for name in rollouts[0].rewards:
+        values = torch.tensor([r.rewards[name] for r in rollouts if r.rewards[name] is not None], dtype=torch.float64)
+        if values.numel():
+            metrics[f"rewards/{name}/mean"] = float(values.mean())
+            metrics[f"rewards/{name}/std"] = float(nan_std(values, dim=0))  # Bessel-corrected, as TRL
+    return metrics

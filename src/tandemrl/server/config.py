@@ -7,9 +7,10 @@ Invariant: a server bound to a non-loopback address has an API key, unless `--in
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from typing import Literal
+
+from tandemrl.generation.base import resolve_api_key
 
 
 @dataclass(kw_only=True)
@@ -38,8 +39,7 @@ class RolloutServerConfig:
     """Longest prompt text (or rendered chat) accepted, in characters; a longer one is a 400."""
 
     def __post_init__(self) -> None:
-        if self.api_key is None:
-            self.api_key = os.environ.get("TANDEM_API_KEY") or None
+        self.api_key = resolve_api_key(self.api_key)
         if not self.api_key and not self.insecure and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to bind {self.host} without an API key; pass --api_key (or set TANDEM_API_KEY), "

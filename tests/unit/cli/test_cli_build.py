@@ -13,7 +13,7 @@ from tandemrl.cli.train import parse
 def test_colocated_engine_holds_one_steps_sequences_at_full_length():
     config, _ = parse(["--num_prompts_per_step", "3", "--num_generations", "5", "--device", "cpu"])
     tokenizer, model = _policy(config, None)
-    generator, _ = _rollout_side(config, model, tokenizer)
+    generator, _ = _rollout_side(config, config.resolve(), model, tokenizer)
     try:
         max_len = config.data.max_prompt_length + config.algo.max_completion_length
         assert generator.config.max_num_seqs == 15 and generator.max_model_len == max_len
@@ -25,7 +25,7 @@ def test_colocated_engine_holds_one_steps_sequences_at_full_length():
 def test_generator_device_places_the_colocated_engine():
     config, _ = parse(["--num_prompts_per_step", "2", "--num_generations", "2", "--device", "cpu", "--generator_device", "cpu"])
     tokenizer, model = _policy(config, None)
-    generator, _ = _rollout_side(config, model, tokenizer)
+    generator, _ = _rollout_side(config, config.resolve(), model, tokenizer)
     try:
         assert generator.config.device == "cpu" and generator.device.type == "cpu"
     finally:
@@ -35,8 +35,8 @@ def test_generator_device_places_the_colocated_engine():
 def test_a_rank_that_scores_nothing_builds_no_judge():
     config, _ = parse(["--reward_model", "no/such-judge", "--device", "cpu"])
     with pytest.raises(OSError):  # a rank that scores loads the judge
-        _judge(config, scores=True)
-    generator, judge = _judge(config, scores=False)  # the others load nothing, and keep its place
+        _judge(config, config.resolve(), scores=True)
+    generator, judge = _judge(config, config.resolve(), scores=False)  # the others load nothing, and keep its place
     assert generator is None and judge.name == "reward_model"
     with pytest.raises(RuntimeError, match="this rank generates no groups"):
         judge.fn([], [])

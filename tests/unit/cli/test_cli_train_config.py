@@ -157,23 +157,21 @@ def test_dict_flags_take_json_objects():
 
 
 def test_num_train_epochs_decides_the_steps():
-    from tandemrl.cli.build import with_epochs
+    from tandemrl.cli.build import max_steps
 
     config, _ = parse(["--num_train_epochs", "2", "--num_prompts_per_step", "16"])
-    assert with_epochs(config, 100).run.max_steps == 13
-    assert with_epochs(parse([])[0], 100).run.max_steps == parse([])[0].run.max_steps
+    assert max_steps(config, 100) == 13
+    assert max_steps(parse([])[0], 100) == parse([])[0].run.max_steps
 
 
 def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
-    from tandemrl.cli.build import _sampling
-
     config, _ = parse(["--top_p", "0.5", "--generation_kwargs", '{"top_p": 0.9, "stop": ["\\n"]}'])
-    params = _sampling(config)
+    params = config.resolve().sampling
     assert (params.top_p, params.stop) == (0.9, ("\n",))
     with pytest.raises(ValueError, match="no_repeat_ngram_size .* only apply with --generator hf"):
         parse(["--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
     config, _ = parse(["--generator", "hf", "--generation_kwargs", '{"no_repeat_ngram_size": 3}'])
     assert config.generation.hf_generation_kwargs() == {"no_repeat_ngram_size": 3}
     # a repetition penalty is a sampling setting: every generator applies it, from the flag or the kwargs
-    assert _sampling(parse(["--repetition_penalty", "1.1"])[0]).repetition_penalty == 1.1
-    assert _sampling(parse(["--generation_kwargs", '{"repetition_penalty": 1.3}'])[0]).repetition_penalty == 1.3
+    assert parse(["--repetition_penalty", "1.1"])[0].resolve().sampling.repetition_penalty == 1.1
+    assert parse(["--generation_kwargs", '{"repetition_penalty": 1.3}'])[0].resolve().sampling.repetition_penalty == 1.3

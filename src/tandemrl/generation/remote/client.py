@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
@@ -38,8 +37,7 @@ class RolloutClient:
             raise ValueError("no rollout server given; pass --rollout_server_urls http://HOST:PORT [...]")
         self.config = config
         self.urls = [u.rstrip("/") for u in config.urls]
-        api_key = config.api_key or os.environ.get("TANDEM_API_KEY")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._ready = False
         self._waiting: asyncio.Future[None] | None = None  # the one readiness wait all calls share
         self.version = 0  # the policy version the servers last made live through this client

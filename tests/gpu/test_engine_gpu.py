@@ -258,10 +258,11 @@ def test_bfloat16_graphs_sleep_and_wake(tmp_path):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
-    from tandemrl.generation.engine.models.llama import RMSNorm, apply_rope
+    from tandemrl.generation.engine.layers.rope import apply_rope
+    from tandemrl.generation.engine.models.llama import RMSNorm
     from tandemrl.generation.engine.layers.activation import silu_mul
     from tandemrl.generation.engine.layers.norm import rms_norm
-    from tandemrl.generation.engine.layers.rope import rope_and_cache_
+    from tandemrl.generation.engine.layers.rope_kernel import rope_and_cache_
 
     torch.manual_seed(2)
     norm = RMSNorm(896, 1e-6).cuda().to(dtype)

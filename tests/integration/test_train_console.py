@@ -18,8 +18,8 @@ def test_banner_step_lines_samples_and_summary(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tandemrl", *args], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    banner = "\n".join(lines[:3])
-    for words in ("tandem:tiny (", "parameters) on task synthetic", "cpu, float32 weights", "4 prompts x 4 generations per step",
+    banner = "\n".join(lines[:4])
+    for words in ("tandem:tiny (", "parameters) on task synthetic", "cpu, float32 weights", "4 prompts x 4 generations per step", "generator: engine",
                   "loss grpo", "learning rate 0.001", f"run directory {tmp_path}", f"tensorboard --logdir {tmp_path}"):  # fmt: skip
         assert words in banner, (words, banner)
     step_lines = [line for line in lines if line.startswith("step ") and " | " in line and "sample" not in line]

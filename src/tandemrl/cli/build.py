@@ -81,7 +81,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     device = next(model.parameters()).device
     if dp.is_main:
         _save_config(config, run_dir)
-        print("\n".join(_banner(config, plan, model, device, run_dir, dp.world_size)), flush=True)
+        print("\n".join(_banner(config, plan, model, device, run_dir, dp.world_size, generator)), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=plan.sampling,
@@ -140,7 +140,8 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
             await judge_generator.close()
 
 
-def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, run_dir: Path, num_ranks: int) -> list[str]:
+def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, run_dir: Path, num_ranks: int, generator: Any) -> list[str]:
+    from tandemrl.generation.base import describe_generator
     from tandemrl.logging.console import banner
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
@@ -157,6 +158,7 @@ def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, r
         device=where, dtype=f"{config.trainer.dtype} weights{autocast}", num_prompts=config.data.num_prompts_per_step,
         num_generations=config.data.num_generations, loss_type=config.algo.loss_type,
         learning_rate=config.trainer.learning_rate, max_steps=plan.loop.max_steps, run_dir=str(run_dir),
+        generator=describe_generator(generator),
     )  # fmt: skip
 
 

@@ -53,7 +53,8 @@ def serve(config: RolloutServerConfig, engine: EngineConfig) -> None:
     app = build_server(config, engine, heartbeat_s=heartbeat_s, model=model, tokenizer=tokenizer, on_rank_death=_rank_died)
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    print(f"tandem rollout: serving {engine.model} ({config.backend}) on http://{_url_host(host)}:{port}", flush=True)
+    generator = getattr(app.state, "generator", config.backend)
+    print(f"tandem rollout: serving {engine.model} (generator: {generator}) on http://{_url_host(host)}:{port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, access_log=False))
     with frozen_heap():
         server.run(sockets=[sock])

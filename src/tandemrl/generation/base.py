@@ -179,7 +179,9 @@ def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: An
             from tandemrl.generation.hf import HFGenerator
 
             hf_config = HFConfig(model=config.model, dtype=config.dtype, device=config.device)
-            return HFGenerator(hf_config, model=model, tokenizer=tokenizer)
+            generator = HFGenerator(hf_config, model=model, tokenizer=tokenizer)
+            generator.fallback_reason = reason
+            return generator
         case HFConfig():
             from tandemrl.generation.hf import HFGenerator
 
@@ -189,3 +191,13 @@ def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: An
 
             return RemoteGenerator(config)
     raise ValueError(f"unknown generator config {config!r}")
+
+
+def describe_generator(generator: Generator) -> str:
+    """What generates, as the banner and `tandem rollout`'s first line say it: "engine", "transformers
+    generate", "fallback: transformers generate (why the engine cannot)" or "rollout servers"."""
+    reason = getattr(generator, "fallback_reason", None)
+    if reason:
+        return f"fallback: transformers generate ({reason})"
+    names = {"Engine": "engine", "HFGenerator": "transformers generate", "RemoteGenerator": "rollout servers"}
+    return names.get(type(generator).__name__, type(generator).__name__)

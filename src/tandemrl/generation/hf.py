@@ -33,6 +33,7 @@ class HFGenerator:
         self.device = resolve_device(config.device)
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.owns_model = model is None  # colocated, the model is the trainer's: sleep must not move it
+        self.fallback_reason: str | None = None  # set by build_generator: why the engine was asked for and cannot serve
         self.model = model or load_model(config.model, dtype=resolve_dtype(config.dtype, self.device), device=self.device)
         self._lock = threading.Lock()
         self._this_tick: TickBatcher[tuple[list[int], SamplingParams, asyncio.Future]] = TickBatcher(self._queue)

@@ -59,7 +59,7 @@ def load_model(name: str, *, dtype: torch.dtype, device: torch.device, **init_kw
         ignored = {k: init_kwargs.pop(k) for k in ("dtype", "torch_dtype") if k in init_kwargs}
         if ignored:
             log.warning("model_init_kwargs %s ignored: the policy's dtype is --dtype's (%s)", ignored, dtype)
-        kwargs = {"attn_implementation": "sdpa", **init_kwargs, "dtype": dtype}
+        kwargs = {**init_kwargs, "dtype": dtype}  # attention: transformers' default, sdpa (eager where a model lacks it: Gemma 2)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), **kwargs)
     except OSError as error:
         raise FileNotFoundError(f"cannot load a causal LM from {name!r}: {str(error).splitlines()[0]}") from None

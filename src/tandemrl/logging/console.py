@@ -68,11 +68,12 @@ def _si(value: float) -> str:
 
 
 def banner(*, model: str, num_parameters: int, task: str, device: str, dtype: str, num_prompts: int, num_generations: int,
-           loss_type: str, learning_rate: float, max_steps: int, run_dir: str) -> list[str]:  # fmt: skip
-    """The lines printed before step 1: what trains, on what, how, and where it is written."""
+           loss_type: str, learning_rate: float, max_steps: int, run_dir: str, generator: str = "") -> list[str]:  # fmt: skip
+    """The lines printed before step 1: what trains, on what, how, what generates, and where it is written."""
     return [
         f"tandem train: {model} ({_si(num_parameters)} parameters) on task {task or '(none: --dataset)'}, {device}, {dtype}",
         f"  {num_prompts} prompts x {num_generations} generations per step, loss {loss_type}, learning rate {learning_rate:g}, {max_steps} steps",
+        *([f"  generator: {generator}"] if generator else []),
         f"  run directory {run_dir}  (TensorBoard now: tensorboard --logdir {run_dir})",
     ]
 

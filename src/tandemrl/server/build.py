@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
+from tandemrl.generation.base import EngineConfig, HFConfig, build_generator, describe_generator
 from tandemrl.generation.loading import load_tokenizer, resolve_device
 from tandemrl.server.app import build_app
 from tandemrl.server.config import RolloutServerConfig
@@ -64,4 +64,6 @@ def build_server(
         device_uuid=ipc.device_uuid(device),
     )
     prompter = Prompter(tokenizer, vocab_size=text_config.vocab_size, max_model_len=max_model_len, max_prompt_chars=config.max_prompt_chars)
-    return build_app(service, prompter, api_key=config.api_key, heartbeat_s=heartbeat_s, max_request_bytes=config.max_request_bytes)
+    app = build_app(service, prompter, api_key=config.api_key, heartbeat_s=heartbeat_s, max_request_bytes=config.max_request_bytes)
+    app.state.generator = describe_generator(generator)  # what `tandem rollout`'s first line says serves
+    return app

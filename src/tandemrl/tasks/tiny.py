@@ -74,7 +74,7 @@ def build_model(tokenizer: Any, *, model_type: str = "qwen2", seed: int = 0, **o
     config = AutoConfig.for_model(model_type, **shape)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # transformers' default: sdpa, eager where it lacks it (Gemma 2)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 

@@ -48,6 +48,7 @@ class Server:
     url: str
     args: list[str]
     log: list[str] = field(default_factory=list)
+    first_line: str = ""  # what it printed on stdout first: "tandem rollout: serving M (generator: G) on URL"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -101,7 +102,7 @@ def start_server(
     while time.monotonic() < deadline:
         match = next((re.search(r"on (http://\S+)", line) for line in lines if "serving" in line), None)
         if match:
-            server.url = match.group(1)
+            server.url, server.first_line = match.group(1), lines[0].rstrip()
             return server
         if proc.poll() is not None:
             time.sleep(0.2)

@@ -23,7 +23,9 @@ def oai(tiny_server):
     return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_the_built_in_model_serves_under_its_served_name(oai):
+def test_the_built_in_model_serves_under_its_served_name(oai, tiny_server):
+    generator = "engine" if BACKENDS[-1] == "engine" else "transformers generate"
+    assert tiny_server.first_line.startswith(f"tandem rollout: serving tandem:tiny (generator: {generator}) on http://")
     assert [m.id for m in oai.models.list().data] == [SERVED]
     answer = oai.completions.create(model=SERVED, prompt="digits:", max_tokens=4, extra_body={"ignore_eos": True})
     assert answer.model == SERVED and answer.usage.completion_tokens == 4

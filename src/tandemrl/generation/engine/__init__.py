@@ -12,7 +12,7 @@ from typing import Any
 def unsupported_reason(config: Any, *, model: Any = None) -> str | None:
     """Why the engine cannot serve `config.model` (or the in-memory `model`), or None when it can."""
     from tandemrl.generation.engine.models import load_hf_config
-    from tandemrl.generation.engine.models.llama import unsupported_reason as reason_for
+    from tandemrl.generation.engine.models.family import unsupported_reason as reason_for
 
     return reason_for(model.config if model is not None else load_hf_config(config.model))
 

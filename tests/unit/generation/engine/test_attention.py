@@ -58,7 +58,7 @@ def test_varlen_metadata_means_the_same_attention_as_gather():
         assert torch.allclose(torch.cat(got), expected, atol=1e-5)
 
 
-def _reference_varlen_attention(q, k_cache, v_cache, meta):
+def _reference_varlen_attention(q, k_cache, v_cache, meta, options=None):
     """What flash attention's varlen form computes (bottom-right causal, GQA), per sequence, on any device;
     rows of q past the last sequence's (the runner's padding) come out as NaN, as flash leaves them unwritten:
     a padded row that reached a real one would show."""
@@ -75,7 +75,7 @@ def _reference_varlen_attention(q, k_cache, v_cache, meta):
     return torch.cat((out, out.new_full((len(q) - len(out), *out.shape[1:]), float("nan"))))
 
 
-def _reference_paged_prefill_attention(q, k_cache, v_cache, meta):
+def _reference_paged_prefill_attention(q, k_cache, v_cache, meta, options=None):
     """What the paged prefill kernel computes, tile by tile as its grid does (each tile's queries of one
     sequence read their context through its block table): rows no tile covers stay NaN, so a query the
     tiles miss, or a padded row that reached a real one, would show."""
@@ -95,7 +95,10 @@ def _reference_paged_prefill_attention(q, k_cache, v_cache, meta):
         vs = v_cache[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         query_positions = ctx - (end - start) + (rows - start)
         mask = positions[None, :] <= query_positions[:, None]
-        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=mask).transpose(0, 1)
+        if options is not None and options.window:
+            mask &= positions[None, :] > query_positions[:, None] - options.window
+        scale = options.scale if options is not None else None
+        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=mask, scale=scale).transpose(0, 1)
     return out
 
 
@@ -126,13 +129,14 @@ def test_paged_prefill_metadata_is_the_docstring_example():
     assert seqs.tolist() == [0, 0, 2, 3, 3] and firsts.tolist()[:3] == [0, 16, 0]
 
 
-@pytest.mark.parametrize("paged", ["graphed", True, False], ids=["graphed", "paged", "flash"])
+@pytest.mark.parametrize("paged", ["graphed", True, False, "window"], ids=["graphed", "paged", "flash", "paged-window"])
 def test_the_runner_builds_prefill_metadata_on_the_device_as_the_gather_path_means(monkeypatch, tmp_path, paged):
     """The 16-bit GPU prefill's inputs (lengths and block tables; positions, slots and the paged kernel's
     tiles computed from them where the model runs) give the tokens of the gather path: two turns, the second
     over the first's cached blocks, and a group sharing one prompt (followers). On CPU, with a reference
     attention in place of the Triton kernel (paged) or of flash. `graphed`: the prefill graphs' forward
-    (static buffers sized for every sequence, metadata at fixed shapes; run eagerly, captures skipped)."""
+    (static buffers sized for every sequence, metadata at fixed shapes; run eagerly, captures skipped).
+    `window`: a Mistral with a sliding window of 8 (the prompts are longer), through the paged path."""
     import asyncio
 
     from tandemrl.generation.base import EngineConfig
@@ -146,7 +150,7 @@ def test_the_runner_builds_prefill_metadata_on_the_device_as_the_gather_path_mea
     monkeypatch.setattr(attention, "varlen_attention", _reference_varlen_attention)
     monkeypatch.setattr(attention, "paged_prefill_attention", _reference_paged_prefill_attention)
     monkeypatch.setattr(PrefillGraphs, "_capture", lambda self, model, num_rows: None)  # CUDA only: the eager forward is what is tested
-    model_dir = save_tiny(str(tmp_path), seed=3)
+    model_dir = save_tiny(str(tmp_path), seed=3, **(dict(model_type="mistral", sliding_window=8) if paged == "window" else {}))
     prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)] + [[7, 8, 9] * 7] * 3
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
 

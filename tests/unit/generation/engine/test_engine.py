@@ -11,16 +11,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandemrl.generation.base import EngineConfig, HFConfig, build_generator
+from tandemrl.generation.base import EngineConfig, HFConfig, build_generator, describe_generator
 from tandemrl.generation.engine import Engine
 from tandemrl.generation.engine.engine import _out_of_range
+from tandemrl.generation.engine.models.family import SUPPORTED_MODEL_TYPES
 from tandemrl.generation.hf import HFGenerator
 from tandemrl.types import SamplingParams
 from tandemrl.weights.group import StagedTensors
+from tests.unit.generation.engine.conftest import FAMILIES, WINDOW
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-TEXTS = ("hello there", "the answer is 42", "abc", "x")
+TEXTS = ("hello there", "the answer is 42", "abc", "x", "the answer is 42. user assistant system, hello there")  # the last: past every window
 
 
 def run(coro):
@@ -36,7 +38,7 @@ async def gather(engine, prompts, params):
     return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama3-untied", "qwen3"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, family_dirs):
     model_dir = family_dirs[request.param]
     engine = make_engine(model_dir)
@@ -89,6 +91,16 @@ def test_logprobs_equal_a_transformers_forward(family):
         temperature = params.temperature or 1.0
         expected = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_the_windows_of_the_families_change_what_a_long_prompt_gives(name, family_dirs):
+    """The parity tests above would not see a window ignored unless it changed transformers' answer: it does."""
+    windowed = AutoModelForCausalLM.from_pretrained(family_dirs[name], dtype=torch.float32).eval()
+    unwindowed = AutoModelForCausalLM.from_pretrained(family_dirs[name], dtype=torch.float32, sliding_window=4096).eval()
+    ids = torch.tensor([windowed.config.vocab_size // 2 + i % 50 for i in range(4 * WINDOW)])[None]
+    with torch.no_grad():
+        assert not torch.allclose(windowed(ids).logits[0, -1], unwindowed(ids).logits[0, -1], atol=1e-3)
 
 
 def test_concurrent_requests_submitted_while_others_run_equal_alone(family_dirs):
@@ -301,14 +313,24 @@ def test_token_id_range_check_answers_as_min_and_max_did(ids):
     assert _out_of_range(ids, 6) == (min(ids) < 0 or max(ids) >= 6)
 
 
-def test_in_memory_model_is_copied_and_matches(family_dirs):
-    model_dir = family_dirs["qwen3"]
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_in_memory_model_is_copied_and_follows_updates_by_the_trainers_names(name, family_dirs):
+    """Colocated: the trainer's transformers model is copied in, and its state_dict (the names weight sync
+    publishes, Phi-3's fused tensors and Gemma's norms included) updates the engine to the new weights."""
+    model_dir = family_dirs[name]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = build_generator(EngineConfig(device="cpu", kv_cache_tokens=1024), model=model, tokenizer=make_tok(model_dir))
-    assert isinstance(engine, Engine)
-    prompt = [5, 9, 11, 30]
-    got = run(engine.generate(prompt, GREEDY)).token_ids
-    assert got == model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, 4:].tolist()
+    assert isinstance(engine, Engine) and describe_generator(engine) == "engine"
+    prompt = list(range(5, 5 + 3 * WINDOW))
+    for version in (0, 1):
+        if version:
+            with torch.no_grad(), torch.random.fork_rng():
+                torch.manual_seed(7)
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            run(engine.update_weights(list(model.state_dict().items()), version=1))
+        got = run(engine.generate(prompt, GREEDY)).token_ids
+        assert got == model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
     run(engine.close())
 
 
@@ -326,9 +348,10 @@ def test_other_architectures_fall_back_to_hf_with_a_notice(tmp_path, caplog):
         generator = build_generator(EngineConfig(model=model_dir, device="cpu"))
     assert isinstance(generator, HFGenerator)
     assert "falling back to the hf generator" in caplog.text and "gpt2" in caplog.text
+    assert describe_generator(generator) == "fallback: transformers generate (model type 'gpt2' is not one of the engine's " + ", ".join(SUPPORTED_MODEL_TYPES) + ")"
     with pytest.raises(ValueError, match="hf generator"):
         Engine(EngineConfig(model=model_dir, device="cpu"))
-    assert isinstance(build_generator(HFConfig(model=model_dir, device="cpu")), HFGenerator)
+    assert describe_generator(build_generator(HFConfig(model=model_dir, device="cpu"))) == "transformers generate"
 
 
 def test_first_tokens_of_many_seeded_requests_follow_the_softmax(family_dirs):

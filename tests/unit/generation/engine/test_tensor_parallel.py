@@ -1,6 +1,7 @@
 """Engine tensor parallelism on CPU (gloo, 2 processes): greedy tokens equal TP = 1 exactly, logprobs
 within float tolerance, for every family (split and replicated KV heads, a vocab that does not divide),
-and after a weight update by Hugging Face name, broadcast by the leader (a server's groups) or handed to
+(Phi-3's fused checkpoint tensors cut per rank, OLMo 2's whole-projection norms reduced over ranks, Gemma 2's
+windows and caps), and after a weight update by Hugging Face name, broadcast by the leader (a server's groups) or handed to
 every rank (colocate: the group split from torchrun's default process group). This process is rank 0 (and runs TP = 1), one spawned process rank 1, for every case."""
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
 
     # an untied llama with one KV head for two ranks (replicated) and 321 vocab rows (the last rank's padded)
     odd = save_tiny(str(tmp_path_factory.mktemp("kv1")), model_type="llama", seed=2, num_key_value_heads=1, vocab_size=321, tie_word_embeddings=False)
-    return {"qwen2": family_dirs["qwen2"], "qwen3": family_dirs["qwen3"], "llama-kv1-odd-vocab": odd}
+    # OLMo 2 with one KV head: its whole-projection k norm over a head replicated on both ranks
+    olmo = save_tiny(str(tmp_path_factory.mktemp("olmo")), model_type="olmo2", seed=2, num_key_value_heads=1)
+    named = {name: family_dirs[name] for name in ("qwen2", "qwen3", "phi3-longrope", "gemma2")}
+    return {**named, "llama-kv1-odd-vocab": odd, "olmo2-kv1": olmo}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +135,7 @@ def tp2_results(model_dirs) -> dict[str, dict]:
     return _tp2([(name, path, name == COLOCATED) for name, path in model_dirs.items()])
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab", "phi3-longrope", "gemma2", "olmo2-kv1"])
 def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_dirs, tp2_results):
     engine = Engine(_config(model_dirs[name], 1))
     try:

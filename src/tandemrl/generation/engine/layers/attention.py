@@ -12,6 +12,8 @@ causal from the bottom right so a sequence whose prefix is cached attends to all
 same prefill through torch's variable-length flash attention, which needs each layer's context copied
 out of the cache first: kept as the baseline bench/prefill.py measures against) and the Triton paged
 decode kernel (GPU decode, one query per sequence).
+What differs between layers (a sliding window, a score scale, a tanh soft cap: Mistral, Gemma 2/3) is the
+layer's `AttentionOptions`, applied by every path alike.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """One layer's attention rule. `window` W > 0: a query at position p sees keys p - W + 1 .. p (its last W
+    tokens, transformers' sliding window); `softcap` c > 0: scores become c * tanh(score / c) (Gemma 2)."""
+
+    scale: float  # scores are q . k * scale (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5)
+    window: int = 0
+    softcap: float = 0.0
+
+
 @dataclass(slots=True)
 class GatherMetadata:
     """The pure-PyTorch path: each sequence's context gathered and padded, then masked SDPA."""
@@ -35,6 +47,7 @@ class GatherMetadata:
     key_slots: Tensor  # [B, C] cache slot of each context position; padding -> slot 0
     mask: Tensor  # [B, 1, Q, C] True = may attend
     output_index: Tensor  # [N] row in B*Q of each new token
+    distance: Tensor  # [B, 1, Q, C] query position - key position (a sliding window masks distance >= W)
 
 
 @dataclass(slots=True)
@@ -84,10 +97,13 @@ AttentionMetadata = GatherMetadata | PagedPrefillMetadata | VarlenMetadata | Dec
 
 
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, *, cached: bool = False
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, *, cached: bool = False,
+    options: AttentionOptions | None = None,
 ) -> Tensor:
     """q [N, H, D], k/v [N, K, D], caches [S, K, D] (S slots) -> [N, H, D]. `cached`: k and v are
-    already in their slots (the GPU path writes them in its RoPE kernel)."""
+    already in their slots (the GPU path writes them in its RoPE kernel). `options`: the layer's rule
+    (None: causal over the whole context, scale D ** -0.5)."""
+    options = options or AttentionOptions(scale=q.shape[-1] ** -0.5)
     if not cached:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -95,19 +111,19 @@ def paged_attention(
         case DecodeMetadata():
             from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size)
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, options=options)
         case PagedPrefillMetadata():
-            out = paged_prefill_attention(q, k_cache, v_cache, meta)
+            out = paged_prefill_attention(q, k_cache, v_cache, meta, options)
             if meta.num_queries is not None and len(q) > meta.num_queries:  # padded rows: zeros, not what torch.empty held
                 out[meta.num_queries :] = 0  # (their KV lands in the scratch slot 0)
             return out
         case VarlenMetadata():
-            out = varlen_attention(q, k_cache, v_cache, meta)
+            out = varlen_attention(q, k_cache, v_cache, meta, options)
             if len(q) > meta.num_queries:  # padded rows: zeros, not what flash left there (their KV lands in the scratch slot 0)
                 out[meta.num_queries :] = 0
             return out
         case GatherMetadata():
-            return gather_attention(q, k_cache, v_cache, meta)
+            return gather_attention(q, k_cache, v_cache, meta, options)
 
 
 @functools.cache
@@ -116,15 +132,17 @@ def flash_varlen_available() -> bool:
     return torch.backends.cuda.is_flash_attention_available()
 
 
-def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedPrefillMetadata) -> Tensor:
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedPrefillMetadata, options: AttentionOptions | None = None) -> Tensor:
     """The Triton kernel (attention_kernel.prefill_attention): rows no tile covers are not written (zeros when
     meta.num_queries is None)."""
     from tandemrl.generation.engine.layers.attention_kernel import prefill_attention
 
-    return prefill_attention(q, k_cache, v_cache, meta)
+    return prefill_attention(q, k_cache, v_cache, meta, options=options)
 
 
-def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMetadata) -> Tensor:
+def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMetadata, options: AttentionOptions | None = None) -> Tensor:
+    if options is not None and (options.softcap or options.window or options.scale != q.shape[-1] ** -0.5):
+        raise ValueError("the varlen prefill (runner.paged_prefill=False) serves plain causal attention only; keep paged_prefill on")
     keys, values = k_cache[meta.packed_key_slots], v_cache[meta.packed_key_slots]  # [sum C, K, D]
     # flash attention's own GQA: each key/value head is read once for its group of H / K query heads.
     # torch's varlen_attn wrapper (2.11) lacks enable_gqa, and repeating K/V to H heads first cost
@@ -137,13 +155,21 @@ def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMe
     return out
 
 
-def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: GatherMetadata) -> Tensor:
+def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: GatherMetadata, options: AttentionOptions | None = None) -> Tensor:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     batch, width = meta.query_index.shape
+    options = options or AttentionOptions(scale=q.shape[-1] ** -0.5)
     queries = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
     keys = _repeat_kv(k_cache[meta.key_slots], num_heads // num_kv_heads)  # [B, H, C, D]
     values = _repeat_kv(v_cache[meta.key_slots], num_heads // num_kv_heads)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)  # [B, H, Q, D]
+    mask = meta.mask if not options.window else meta.mask & (meta.distance < options.window)  # [B, 1, Q, C]
+    if options.softcap:  # SDPA has no soft cap: the scores written out (transformers' eager order: scale, cap, mask)
+        scores = (queries @ keys.transpose(-1, -2)) * options.scale  # [B, H, Q, C]
+        scores = torch.tanh(scores / options.softcap) * options.softcap
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+        out = probs @ values
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=options.scale)  # [B, H, Q, D]
     return out.transpose(1, 2).reshape(batch * width, num_heads, -1)[meta.output_index]
 
 
@@ -174,7 +200,8 @@ def build_gather_metadata(
     q_pos = (lens - qlens)[:, None] + torch.arange(width)[None, :]  # [B, Q] position of each query
     valid = torch.arange(width)[None, :] < qlens[:, None]  # [B, Q]
     q_pos = q_pos.masked_fill(~valid, 0)  # padded queries see position 0 only: no all-masked rows
-    mask = positions[None, None, :] <= q_pos[:, :, None]  # [B, Q, C]
+    distance = q_pos[:, :, None] - positions[None, None, :]  # [B, Q, C]
+    mask = distance >= 0
     starts = torch.cumsum(qlens, 0) - qlens
     query_index = (starts[:, None] + torch.arange(width)[None, :]).masked_fill(~valid, 0)
     output_index = (torch.arange(len(query_lens))[:, None] * width + torch.arange(width)[None, :])[valid]
@@ -185,6 +212,7 @@ def build_gather_metadata(
         key_slots=key_slots.to(device, non_blocking=True),
         mask=mask[:, None].to(device, non_blocking=True),
         output_index=output_index.to(device, non_blocking=True),
+        distance=distance[:, None].to(device, non_blocking=True),
     )
 
 
@@ -334,4 +362,5 @@ def decode_gather_metadata(block_tables: Tensor, context_lens: Tensor, slot_mapp
         key_slots=key_slots.masked_fill(~valid, 0),
         mask=valid[:, None, None, :],
         output_index=rows,
+        distance=((context_lens - 1)[:, None] - positions[None, :])[:, None, None, :],
     )

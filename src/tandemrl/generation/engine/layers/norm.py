@@ -1,5 +1,6 @@
-"""Triton RMSNorm, with the residual add fused (as transformers rounds it). Imported only on CUDA;
-models/llama.py holds the torch path and tests/gpu checks one against the other."""
+"""Triton RMSNorm, with the residual add fused (as transformers rounds it), in both of transformers' orders:
+Llama's (the normed x rounded, then times w) and Gemma's / OLMo 2's (times offset + w in float32, then
+rounded). Imported only on CUDA; models/llama.py holds the torch path and tests/gpu checks one against the other."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from torch import Tensor
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, E, eps, HAS_RES: tl.constexpr, BLOCK_E: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, E, eps,
+    HAS_RES: tl.constexpr, BLOCK_E: tl.constexpr, OFFSET: tl.constexpr, IN_F32: tl.constexpr,
+):  # fmt: skip
     # one row: (x + residual) rounded to the activation dtype, then RMSNorm in float32 (as transformers)
     row = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -20,13 +24,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + e, mask=valid, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + row * stride_o + e, x, mask=valid)
     xf = x.to(tl.float32)
-    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / E + eps)).to(x.dtype)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / E + eps)
     w = tl.load(w_ptr + e, mask=valid, other=0.0)
-    tl.store(out_ptr + row * stride_o + e, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=valid)
+    if IN_F32:
+        y = normed * (OFFSET + w.to(tl.float32))
+    else:
+        y = (OFFSET + w.to(tl.float32)) * normed.to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + e, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """x [R, E] (any leading shape) -> RMSNorm(x [+ residual]); with a residual also returns the sum."""
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *, offset: float = 0.0, in_float32: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """x [R, E] (any leading shape) -> RMSNorm(x [+ residual]) * (offset + weight); with a residual also
+    returns the sum. `in_float32`: the product in float32, then rounded (else the normed x is rounded first)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = torch.empty_like(x2)
@@ -34,7 +45,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     res2 = residual.reshape(-1, shape[-1]) if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0), shape[-1], eps,
-        HAS_RES=residual is not None, BLOCK_E=triton.next_power_of_2(shape[-1]), num_warps=4,
+        HAS_RES=residual is not None, BLOCK_E=triton.next_power_of_2(shape[-1]), OFFSET=offset, IN_F32=in_float32, num_warps=4,
     )  # fmt: skip
     if residual is None:
         return out.view(shape)

@@ -1,20 +1,21 @@
-"""The Llama family written for inference: Llama 3 (incl. its RoPE scaling), Qwen2/2.5 (qkv bias),
-Qwen3 (q/k RMSNorm). One flat token dimension (no padding), paged attention, fused qkv and gate/up.
+"""The engine's decoder, one for every family it serves: Llama 3, Qwen2/2.5/3, Mistral, Phi-3, OLMo 2, SmolLM3,
+Gemma 2 and Gemma 3 text. How the families differ is named in models/family.py (`Family`): this code reads
+its fields, never a model type. One flat token dimension (no padding), paged attention, fused qkv and gate/up.
 
 Legend: N tokens of the step, E hidden size, H query heads, K key/value heads, D head dim, V vocab.
 
 Parameter names are the Hugging Face ones, except the fused `qkv_proj` and `gate_up_proj`, which
-`load_weight` fills from q/k/v_proj and gate/up_proj, so `update_weights` takes Hugging Face names.
-With tensor parallelism (parallel.py) every parameter holds this rank's shard, and `load_weights` cuts
-it from the full Hugging Face tensor (`_split`): query heads, key/value heads (each rank one of them
-when there are fewer than ranks), MLP columns and vocab rows are split; norms are whole on every rank.
+`load_weight` fills from q/k/v_proj and gate/up_proj (Phi-3's checkpoint has them fused already), so
+`update_weights` takes Hugging Face names. With tensor parallelism (parallel.py) every parameter holds
+this rank's shard, and `load_weights` cuts it from the full Hugging Face tensor (`_split`): query heads,
+key/value heads (each rank one of them when there are fewer than ranks), MLP columns and vocab rows are
+split, and OLMo 2's whole-projection q/k norms with their heads; other norms are whole on every rank.
 Numerics follow transformers: RMSNorm in float32, rotate-half RoPE from a float32 cos/sin table.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,67 +26,30 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandemrl.generation.engine.layers.attention import AttentionMetadata, paged_attention
+from tandemrl.generation.engine.layers.rope import apply_rope, rope_table
 from tandemrl.generation.engine.layers.sharded import RowParallelLinear, VocabParallelEmbedding, gathered_logits
+from tandemrl.generation.engine.models.family import SUPPORTED_MODEL_TYPES, Family, Layer, unsupported_reason
 from tandemrl.generation.engine.parallel import Shard, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # qwen3_moe: models/qwen3_moe.py
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
-def unsupported_reason(config: Any) -> str | None:
-    """Why the engine cannot run this transformers config, or None when it can."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {model_type!r} is not one of the engine's {', '.join(SUPPORTED_MODEL_TYPES)}"
-    rope = _rope_parameters(config)
-    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
-        return f"rope type {rope.get('rope_type')!r} is not supported by the engine"
-    if getattr(config, "use_sliding_window", False):
-        return "sliding-window attention is not supported by the engine"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not supported by the engine"
-    return None
-
-
-def _rope_parameters(config: Any) -> dict:
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
-
-
-def rope_inv_freq(config: Any, head_dim: int) -> Tensor:
-    """[D/2] float32 inverse frequencies, with Llama 3 or linear scaling as the config asks."""
-    rope = _rope_parameters(config)
-    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope["rope_type"] == "linear":
-        return inv_freq / rope["factor"]
-    if rope["rope_type"] != "llama3":
-        return inv_freq
-    # Llama 3.1 frequency-dependent scaling (Meta's reference; identical to transformers')
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old_len = rope["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
+__all__ = ["SUPPORTED_MODEL_TYPES", "LlamaForCausalLM", "unsupported_reason"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """x / rms(x) * (offset + w). `in_float32`: the product taken in float32, then rounded (Gemma, OLMo 2);
+    else the normed x rounded first (Llama)."""
+
+    def __init__(self, size: int, eps: float, *, offset: float = 0.0, in_float32: bool = False, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.eps, self.offset, self.in_float32 = eps, offset, in_float32
+        self.tp = tp  # set: the normed vector is split over the ranks (OLMo 2's q/k projections): its mean is over all
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual). Fused on CUDA."""
-        if x.is_cuda:
+        if x.is_cuda and self.tp is None:
             from tandemrl.generation.engine.layers.norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, offset=self.offset, in_float32=self.in_float32)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
@@ -94,15 +58,14 @@ class RMSNorm(nn.Module):
     def _norm(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, H, D], cos/sin [N, 1, D] in x's dtype; rotate-half convention of transformers."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        if self.tp is None:
+            mean_square = x.pow(2).mean(-1, keepdim=True)
+        else:  # each rank holds 1 / size of the vector (or a replica of one head: the sum then counts it size / K times)
+            mean_square = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True)) / (x.shape[-1] * self.tp.size)
+        x = x * torch.rsqrt(mean_square + self.eps)
+        if self.in_float32:
+            return (x * (self.offset + self.weight.float())).to(dtype)
+        return (self.offset + self.weight) * x.to(dtype) if self.offset else self.weight * x.to(dtype)
 
 
 def check_shardable(config: Any, size: int) -> None:
@@ -116,130 +79,160 @@ def check_shardable(config: Any, size: int) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None) -> None:
+    def __init__(self, config: Any, family: Family, layer: Layer, head_dim: int, tp: TensorParallel | None) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
         self.num_heads = config.num_attention_heads // size  # this rank's
         self.num_kv_heads = max(config.num_key_value_heads // size, 1)  # one, replicated, when fewer than ranks
         self.head_dim = head_dim
-        hidden = config.hidden_size
-        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.options, self.rope_index = layer.attention, layer.rope
+        hidden, eps = config.hidden_size, config.rms_norm_eps
         self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
-        self.qkv_proj = nn.Linear(hidden, sum(self.qkv_sizes), bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False), tp=tp)
-        if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(hidden, sum(self.qkv_sizes), bias=family.qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * head_dim, hidden, bias=family.o_bias, tp=tp)
+        norm = dict(offset=family.norm_offset, in_float32=family.norm_in_float32)
+        if family.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, **norm), RMSNorm(head_dim, eps, **norm)
+        elif family.qk_norm == "projection":
+            self.q_norm = RMSNorm(self.qkv_sizes[0], eps, **norm, tp=tp)
+            self.k_norm = RMSNorm(self.qkv_sizes[1], eps, **norm, tp=tp)
+        self.per_head_norm = family.qk_norm == "head"
         self.k_cache = self.v_cache = torch.empty(0)  # [S, K, D] views into the runner's cache
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, ...], meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> Tensor:
+        """`ropes`: per RoPE table, (positions [N], table [P, 2, R]) on CUDA, else (cos, sin) [N, 1, R]."""
         qkv = self.qkv_proj(x)  # [N, (H + 2K) * D]
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, K, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-            qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
-            q, k, v = (t.view(len(x), -1, self.head_dim) for t in qkv.split(self.qkv_sizes, dim=-1))
-        if x.is_cuda:  # one fused kernel: RoPE in place on the qkv buffer, then k and v into the cache
-            from tandemrl.generation.engine.layers.rope import rope_and_cache_
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            if self.per_head_norm:
+                q, k = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1), self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qkv = torch.cat((q, k, v), dim=-1)
+        q, k, v = (t.view(len(x), -1, self.head_dim) for t in qkv.split(self.qkv_sizes, dim=-1))  # [N, H or K, D]
+        cached = False
+        if self.rope_index >= 0 and x.is_cuda:  # one fused kernel: RoPE in place on the qkv buffer, then k and v into the cache
+            from tandemrl.generation.engine.layers.rope_kernel import rope_and_cache_
 
-            positions, table = rope
+            positions, table = ropes[self.rope_index]
             rope_and_cache_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, table, meta.slot_mapping, self.k_cache, self.v_cache)
-        else:
-            cos, sin = rope
+            cached = True
+        elif self.rope_index >= 0:
+            cos, sin = ropes[self.rope_index]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, cached=x.is_cuda)  # [N, H, D]
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, cached=cached, options=self.options)  # [N, H, D]
         return self.o_proj(out.reshape(len(x), -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallel | None) -> None:
+    def __init__(self, config: Any, family: Family, tp: TensorParallel | None) -> None:
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
         inner = config.intermediate_size // (tp.size if tp is not None else 1)  # this rank's columns
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inner, bias=bias)
-        self.down_proj = RowParallelLinear(inner, config.hidden_size, bias=bias, tp=tp)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inner, bias=family.mlp_bias)
+        self.down_proj = RowParallelLinear(inner, config.hidden_size, bias=family.mlp_bias, tp=tp)
+        self.activation = family.activation
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if x.is_cuda:
+        if x.is_cuda and self.activation == "silu":
             from tandemrl.generation.engine.layers.activation import silu_mul
 
             return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, head_dim, tp)
-        self.mlp = MLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Norm placements (family.norms): "pre" norms the input of attention and of the MLP (Llama); "post" norms
+    their outputs (OLMo 2); "sandwich" both (Gemma). The residual stream is carried as (output, residual), the
+    sum taken by the next norm (fused on CUDA), as transformers rounds it."""
 
-    def forward(self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, ...], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    def __init__(self, config: Any, family: Family, layer: Layer, head_dim: int, tp: TensorParallel | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, family, layer, head_dim, tp)
+        self.mlp = MLP(config, family, tp)
+        self.norms = family.norms
+        size, norm = config.hidden_size, dict(eps=config.rms_norm_eps, offset=family.norm_offset, in_float32=family.norm_in_float32)
+        if self.norms != "post":
+            self.input_layernorm = RMSNorm(size, **norm)
+        self.post_attention_layernorm = RMSNorm(size, **norm)
+        if self.norms == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(size, **norm)
+        if self.norms != "pre":
+            self.post_feedforward_layernorm = RMSNorm(size, **norm)
+
+    def forward(self, x: Tensor, residual: Tensor | None, ropes: list, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
+        if self.norms == "post":
+            h = x if residual is None else x + residual
+            h = self.post_attention_layernorm(self.self_attn(h, ropes, meta)) + h
+            return self.post_feedforward_layernorm(self.mlp(h)), h
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, meta)
+        h = self.self_attn(h, ropes, meta)
+        if self.norms == "sandwich":
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: Any, head_dim: int, tp: TensorParallel | None, vocab_rows: tuple[int, int]) -> None:
+    def __init__(self, config: Any, family: Family, head_dim: int, tp: TensorParallel | None, vocab_rows: tuple[int, int]) -> None:
         super().__init__()
         start, rows = vocab_rows
         self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, start=start, tp=tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, tp) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, family, layer, head_dim, tp) for layer in family.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=family.norm_offset, in_float32=family.norm_in_float32)
 
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [N], positions [N], meta) -> hidden [N, E]; compute_logits(hidden) -> [*, V].
-    `tp`: this rank's group when the model is split across ranks (every rank runs the same calls)."""
+    `tp`: this rank's group when the model is split across ranks (every rank runs the same calls).
+    The decoder of every family (the name is the first one's)."""
 
     def __init__(self, config: Any, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.family = Family.of(config)
         self.tp = tp
         self.shard = Shard(tp.rank, tp.size) if tp is not None else Shard()
         check_shardable(config, self.shard.size)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rows = -(-config.vocab_size // self.shard.size)  # the last rank's rows padded with zeros
         self.vocab_rows = (self.shard.rank * rows, rows)
-        self.model = Backbone(config, self.head_dim, tp, self.vocab_rows)
+        self.model = Backbone(config, self.family, self.head_dim, tp, self.vocab_rows)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.max_positions = max_positions
-        self.rope_cos_sin = torch.empty(0)  # [P, 2, D] float32, set by rope_table(); kept out of .to(dtype)
+        self.rope_cos_sin = torch.empty(0)  # [T, P, 2, R] float32, set by rope_table(); kept out of .to(dtype)
         self._routes: dict[str, tuple[str | None, int | None, int]] = {}  # written by _route alone
         self._load_plan: LoadPlan | None = None  # the last list load_weights copied (written by load_weights alone)
 
     def rope_table(self) -> Tensor:
-        inv_freq = rope_inv_freq(self.config, self.head_dim)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        return torch.stack((emb.cos(), emb.sin()), dim=1)
+        """[T, P, 2, R]: a cos/sin table per RoPE the layers use (Gemma 3: its windowed layers' and the others')."""
+        return torch.stack([rope_table(self.config, self.max_positions, layer_type) for layer_type in self.family.rope_layer_types])
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # [N, E]
+        if self.family.embed_scale != 1.0:  # Gemma: the scale rounded to the activation dtype first, as transformers
+            x = x * float(torch.tensor(self.family.embed_scale, dtype=x.dtype))
         if x.is_cuda:
-            rope = (positions, self.rope_cos_sin)
+            ropes = [(positions, table) for table in self.rope_cos_sin]
         else:
-            cos_sin = self.rope_cos_sin[positions].to(x.dtype)  # [N, 2, D]
-            rope = (cos_sin[:, :1], cos_sin[:, 1:])
+            cos_sin = self.rope_cos_sin[:, positions].to(x.dtype)  # [T, N, 2, R]
+            ropes = [(table[:, :1], table[:, 1:]) for table in cos_sin]
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, meta)
+            x, residual = layer(x, residual, ropes, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return gathered_logits(hidden, weight, self.config.vocab_size, self.tp)
+        logits = gathered_logits(hidden, weight, self.config.vocab_size, self.tp)
+        cap = self.family.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap  # Gemma 2, in the logits' dtype as transformers
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
@@ -317,12 +310,25 @@ class LlamaForCausalLM(nn.Module):
         """This rank's part of the full Hugging Face tensor `name` (the tensor itself on one rank)."""
         if self.shard.size == 1:
             return tensor
-        config, shard, head_dim = self.config, self.shard, self.head_dim
-        kv_heads = config.num_key_value_heads
+        config, head_dim = self.config, self.head_dim
+        heads, kv_heads = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             start, rows = self.vocab_rows
             part = tensor[start : start + rows]
             return torch.cat((part, part.new_zeros(rows - len(part), *part.shape[1:]))) if len(part) < rows else part
+        if ".qkv_proj." in name:  # fused in the checkpoint (Phi-3): each part cut as its own projection's
+            q, k, v = tensor.split([heads, kv_heads, kv_heads])
+            return torch.cat((self._split(".q_proj.", q), self._split(".k_proj.", k), self._split(".v_proj.", v)))
+        if ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2)
+            return torch.cat((self._split(".gate_proj.", gate), self._split(".up_proj.", up)))
+        if self.family.qk_norm == "projection" and (".q_norm." in name or ".k_norm." in name):  # OLMo 2: cut with their heads
+            return self._split(name.replace("_norm.", "_proj."), tensor)
+        return self._cut(name, tensor)
+
+    def _cut(self, name: str, tensor: Tensor) -> Tensor:
+        config, shard, head_dim = self.config, self.shard, self.head_dim
+        kv_heads = config.num_key_value_heads
         if ".q_proj." in name or name.endswith("o_proj.weight"):
             start, length = shard.span(config.num_attention_heads)
         elif ".k_proj." in name or ".v_proj." in name:

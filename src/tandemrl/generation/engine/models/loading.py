@@ -74,6 +74,6 @@ def hf_names(model: LlamaForCausalLM) -> set[str]:
     """The Hugging Face names a full load writes (a fused weight counts as its parts)."""
     names = set()
     for name, _ in model.named_parameters():
-        fused = [(part, f) for part, f, _ in _FUSED if f".{f}." in name]
+        fused = [(part, f) for part, f, _ in _FUSED if f".{f}." in name and not model.family.fused_checkpoint]
         names |= {name.replace(f".{f}.", f".{part}.") for part, f in fused} if fused else {name}
     return names

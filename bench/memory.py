@@ -199,7 +199,7 @@ async def measure(args, name: str) -> dict:
     result = {"bench": "memory", "levers": name, "shape": args.shape, "steps": len(rows)}
     for key in sorted({k for p in probes for k in p}):
         result[key] = round(max(p.get(key, 0.0) for p in probes), 3)
-    result.update(step_s=mean("step_time"), gen_s=mean("time/generate"), train_s=mean("time/train"), sync_s=mean("time/sync"))
+    result.update(step_s=mean("step_time"), gen_s=mean("rollout/generate_s"), train_s=mean("time/train"), sync_s=mean("time/sync"))
     return result
 
 

@@ -240,7 +240,7 @@ def run_summary(rows: list[dict], output: str, args) -> dict:
     if len(rows) < args.steps:
         out["error"] = output[-3000:]
     steady = rows[1:] or rows
-    for key in ("step_time", "time/generate", "time/train", "time/sync", "pipeline/wait_time"):
+    for key in ("step_time", "rollout/generate_s", "time/generate", "time/train", "time/sync", "pipeline/wait_time"):
         if steady and key in steady[0]:
             out[key] = round(sum(r[key] for r in steady) / len(steady), 3)
     if memory:
@@ -297,8 +297,8 @@ def servers(args) -> None:
                 proc.wait(timeout=30)
     out = {"model": args.model, "trainer_gpus": args.nproc, "servers": gpu_sets, "server_tp": args.server_tp, "max_staleness": args.max_staleness,
            "flags": args.train_flags, "model_saved_s": round(saved_s, 1), **run_summary(rows, output, args)}  # fmt: skip
-    if "time/generate" in out and out.get("step_time"):
-        out["overlap_efficiency"] = round(max(out["time/generate"], out["time/train"]) / out["step_time"], 3)
+    if "rollout/generate_s" in out and out.get("step_time"):
+        out["overlap_efficiency"] = round(max(out["rollout/generate_s"], out["time/train"]) / out["step_time"], 3)
     if out.get("time/sync"):
         gigabytes = (2 if cuda else 4) * sum(qwen_config_numel(args.model)) / 1e9  # shards gathered in bf16 on GPU
         out["sync_gb"], out["sync_gb_per_s"] = round(gigabytes, 2), round(gigabytes / out["time/sync"], 1)

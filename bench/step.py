@@ -9,7 +9,7 @@ a `tandem rollout` server (`--placement server`: on GPU pinned to `--server_gpu`
     speedup S=1: step_s(S=0) / step_s(S=1) = X
     efficiency S=k: max(gen_s, train_s) / step_s = Y
 
-gen_s is time/generate (first admission to last completion of a step's groups), train_s is time/train +
+gen_s is rollout/generate_s (first admission to last completion of a step's groups), train_s is time/train +
 time/sync, step_s is step_time; each the mean over the steps after --warmup. Efficiency takes gen_s and
 train_s of the first S listed (0: the phases run apart; at S > 0 a group's span includes its queueing).
 
@@ -116,7 +116,7 @@ async def measure(parts, args) -> list[dict]:
         mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
         result = {
             "bench": "step", "placement": args.placement, "shape": args.shape, "S": staleness, "steps": len(rows),
-            "gen_s": round(mean("time/generate"), 4), "train_s": round(mean("time/train") + mean("time/sync"), 4),
+            "gen_s": round(mean("rollout/generate_s"), 4), "train_s": round(mean("time/train") + mean("time/sync"), 4),
             "sync_s": round(mean("time/sync"), 4), "wait_s": round(mean("pipeline/wait_time"), 4), "step_s": round(mean("step_time"), 4),
             "policy_lag_max": max(r["rollout/policy_lag_max"] for r in rows),
         }  # fmt: skip

@@ -251,7 +251,7 @@ def full_step(shape: str, args) -> dict:
     steady = rows[2:]  # past compiles and first-shape warm-ups
     keys = ("step_time", "time/generate", "time/reward", "time/train", "time/sync")
     split = {k: round(sum(r[k] for r in steady) / len(steady), 3) for k in keys}
-    extra = {k: round(sum(r[k] for r in steady) / len(steady), 4) for k in ("train/logprob_mismatch", "completions/mean_length") if k in rows[0]}
+    extra = {k: round(sum(r[k] for r in steady) / len(steady), 4) for k in ("sampling/sampling_logp_difference/mean", "completions/mean_length") if k in rows[0]}
     # the engine logs a prefill graph it could not capture (prefill_graphs.py) and runs that size eagerly
     failures = result.stderr.count("prefill graph of")
     return {"steps": len(rows), "wall_s": round(wall, 1), "first_step_s": round(rows[0]["step_time"], 2), **split, **extra, "prefill_graph_failures": failures}

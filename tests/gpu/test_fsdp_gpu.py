@@ -39,7 +39,7 @@ def test_two_gpus_train_as_one_and_resume_on_one(tmp_path):
     print("one GPU: ", [(round(r["loss"], 5), round(r["grad_norm"], 4), round(r["step_time"], 2)) for r in b])
     assert a[0]["reward"] == pytest.approx(b[0]["reward"], abs=0.05)  # bf16 engines may round a sample apart
     assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=0.05)
-    assert all(r["train/logprob_mismatch"] < 0.05 for r in a)  # each rank's engine holds the gathered weights
+    assert all(r["sampling/sampling_logp_difference/mean"] < 0.05 for r in a)  # each rank's engine holds the gathered weights
     # two GPUs -> one GPU: the optimizer shards load on one rank
     (tmp_path / "two" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in a[:2]))
     shutil.rmtree(tmp_path / "two" / "checkpoint-4")

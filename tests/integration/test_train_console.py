@@ -3,6 +3,7 @@ before step 1, a full line every --logging_steps steps, sample completions, the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -22,10 +23,13 @@ def test_banner_step_lines_samples_and_summary(tmp_path):
     for words in ("tandem:tiny (", "parameters) on task synthetic", "cpu, float32 weights", "4 prompts x 4 generations per step", "generator: engine",
                   "loss grpo", "learning rate 0.001", f"run directory {tmp_path}", f"tensorboard --logdir {tmp_path}"):  # fmt: skip
         assert words in banner, (words, banner)
-    step_lines = [line for line in lines if line.startswith("step ") and " | " in line and "sample" not in line]
-    assert [line.split()[1] for line in step_lines] == ["1/4", "2/4", "4/4"]
+    starts = [i for i, line in enumerate(lines) if line.startswith("step ") and " | " in line and "sample" not in line]
+    assert [lines[i].split()[1] for i in starts] == ["1/4", "2/4", "4/4"]
+    wrapped = itertools.takewhile(lambda line: line.startswith("    "), lines[starts[-1] + 1 :])
+    last = lines[starts[-1]] + "".join(" | " + line.strip() for line in wrapped)
     for part in ("reward ", " ± ", "| len ", "| entropy ", "| grad_norm ", "| lr 1.00e-03", " tok/s", "s/step (gen "):
-        assert part in step_lines[-1], (part, step_lines[-1])
+        assert part in last, (part, last)
+    assert all(len(line) <= 80 for i in starts for line in lines[i : i + 3] if line.startswith(("step ", "    ")))
     samples = [line for line in lines if re.match(r"step 4 sample \d/4 ", line)]
     assert len(samples) == 4 and all("char_class_reward" not in line for line in samples)  # one function: no repeated total
     assert all("\ufffd" not in line and "\r" not in line for line in samples)

@@ -39,6 +39,16 @@ def test_a_trl_grpo_config_yaml_as_trls_docs_write_it_runs_unchanged(tmp_path, t
     assert steps(tmp_path / "run") == [1, 2] and (tmp_path / "run" / "checkpoint-1").is_dir()  # save_steps 0.5 of 2
     for line in ("use_vllm ignored: the engine is built in", "--num_prompts_per_step 2", "--reward_funcs math_accuracy"):
         assert line in result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trl_names = {"num_tokens", "completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length",
+                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+                 "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max", "reward", "entropy"}  # fmt: skip
+    assert all(trl_names <= row.keys() for row in rows)
+    assert not {"reward/mean", "time/step", "train/entropy"} & rows[0].keys()  # one name per metric
+    assert 0 < rows[0]["num_tokens"] < rows[1]["num_tokens"]  # TRL's: prompt + completion tokens so far
+    for row in rows:  # the step split adds up to the step's time
+        phases = sum(row[k] for k in ("time/generate", "time/reward", "time/train", "time/sync", "time/other"))
+        assert abs(phases - row["step_time"]) < 1e-6 and min(row[k] for k in ("time/generate", "time/reward", "time/train")) >= 0
 
 
 def test_a_run_that_failed_in_its_first_step_restarts_in_place(tmp_path, tiny_model_dir):

@@ -210,7 +210,10 @@ def policy_loss(
     if keep is not None:
         surrogate = surrogate * keep.float()
     per_token = surrogate * tis  # [N]
-    metrics["tis_weight"] = (cw * tis).sum()
+    # TRL's names: the importance weight (after its mode's truncation or masking), mean and extremes over trained tokens
+    metrics["sampling/importance_sampling_ratio/mean"] = (cw * tis).sum()
+    metrics["sampling/importance_sampling_ratio/min"] = torch.where(batch.loss_mask, tis, torch.inf).min().detach()
+    metrics["sampling/importance_sampling_ratio/max"] = torch.where(batch.loss_mask, tis, -torch.inf).max().detach()
     metrics["ratio"] = (cw * torch.exp(log_ratio).detach()).sum()
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs)  # [N]
@@ -263,13 +266,14 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, *, share: float) -> Tensor:
 
 def combine_metrics(total: dict, part: dict) -> dict:
     """Adds one micro-batch's metrics (floats or 0-d tensors, never synced) into the step's: sums, except
-    `*_min` / `*_max` keys (min / max). Example: {"a": 1, "x_min": 2} + {"a": 3, "x_min": 1} -> {"a": 4, "x_min": 1}"""
+    `*_min` / `*_max` (and `*/min`, `*/max`) keys (min / max). Example: {"a": 1, "x_min": 2} + {"a": 3, "x_min": 1} -> {"a": 4, "x_min": 1}"""
     for key, value in part.items():
         if key not in total:
             total[key] = value
-        elif key.endswith(("_min", "_max")):
-            pick = (torch.minimum if key.endswith("_min") else torch.maximum) if isinstance(value, Tensor) else None
-            total[key] = pick(total[key], value) if pick else (min if key.endswith("_min") else max)(total[key], value)
+        elif key.endswith(("_min", "_max", "/min", "/max")):
+            lowest = key.endswith(("_min", "/min"))
+            pick = (torch.minimum if lowest else torch.maximum) if isinstance(value, Tensor) else None
+            total[key] = pick(total[key], value) if pick else (min if lowest else max)(total[key], value)
         else:
             total[key] = total[key] + value
     return total

@@ -85,14 +85,15 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=plan.sampling,
-        logger=_logger(config, run_dir) if dp.is_main else Silent(), progress=_progress(config, plan, start_step, device) if dp.is_main else Silent(),
+        logger=_logger(config, run_dir, start_step) if dp.is_main else Silent(), progress=_progress(config, plan, start_step, device) if dp.is_main else Silent(),
         evals=evals, run_dir=run_dir, dp=dp,
     )  # fmt: skip
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         with frozen_heap():
-            asyncio.run(_main(parts, plan.loop, start_step, config, judge_generator))
+            settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step))
+            asyncio.run(_main(parts, settings, start_step, config, judge_generator))
     finally:
         parts.progress.close()
         parts.logger.close()
@@ -102,10 +103,13 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     return run_dir
 
 
-def _logger(config: TrainConfig, run_dir: Path) -> Any:
+def _logger(config: TrainConfig, run_dir: Path, start_step: int) -> Any:
     from tandemrl.logging.metrics import MetricsLogger
 
-    return MetricsLogger(run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name)
+    return MetricsLogger(
+        run_dir, report_to=list(config.log.report_to), config=config.to_dict(), run_name=config.log.run_name or run_dir.name,
+        first_step=start_step,
+    )  # fmt: skip
 
 
 def _progress(config: TrainConfig, plan: Plan, start_step: int, device: torch.device) -> Any:
@@ -388,6 +392,15 @@ def _rollout_side(
         model = MergedView(model)
     generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp)
     return generator, build_weight_sync(config.local_sync, generator, gather_dtype=gather_dtype)
+
+
+def _tokens_seen(run_dir: Path, start_step: int) -> int:
+    """TRL's num_tokens at `start_step` (0 for a new run): a resumed run counts on from its metrics."""
+    if start_step == 0:
+        return 0
+    from tandemrl.logging.metrics import last_value
+
+    return int(last_value(run_dir, "num_tokens", step=start_step) or 0)
 
 
 def _save_config(config: TrainConfig, run_dir: Path) -> None:

@@ -21,7 +21,9 @@ STEP_LINE = (
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("learning_rate", "lr", "{:.2e}"),
 )
-TIME_SPLIT = (("time/generate", "gen"), ("time/reward", "reward"), ("time/train", "train"), ("time/sync", "sync"))
+TIME_SPLIT = (("time/generate", "gen"), ("time/reward", "reward"), ("time/train", "train"), ("time/sync", "sync"), ("time/other", "other"))
+# the step's seconds on the trainer's critical path (pipeline.loop.PHASES): they add up to step_time
+LINE_WIDTH = 80  # a step line longer than this wraps at a " | ", its continuation indented
 
 
 def format_duration(seconds: float) -> str:
@@ -34,9 +36,13 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def step_line(step: int, total_steps: int, metrics: dict[str, float], *, num_rollouts: int, memory_gb: float | None) -> str:
-    """Example: step_line(10, 150, {"reward": 0.5, "completions/mean_length": 8.0, "time/generate": 0.2,
-    "step_time": 0.5}, num_rollouts=128, memory_gb=None)
+def step_line(
+    step: int, total_steps: int, metrics: dict[str, float], *, num_rollouts: int, memory_gb: float | None, width: int = LINE_WIDTH
+) -> str:
+    """The line, wrapped at " | " to `width` columns (continuations indented).
+
+    Example: step_line(10, 150, {"reward": 0.5, "completions/mean_length": 8.0, "rollout/generate_s": 0.2,
+    "time/generate": 0.2, "step_time": 0.5}, num_rollouts=128, memory_gb=None)
     -> "step 10/150 | reward 0.500 | len 8.0 | 5.1k tok/s | 0.50s/step (gen 0.20)"
     """
     parts = [f"step {step}/{total_steps}"]
@@ -48,7 +54,7 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float], *, num_rol
             parts[-1] += f" ± {fmt.format(value)}" if parts[-1].startswith("reward") else ""
             continue
         parts.append(f"{label} {fmt.format(value)}")
-    generate_s = metrics.get("time/generate")
+    generate_s = metrics.get("rollout/generate_s")  # the whole generation, overlapped or not
     if generate_s and "completions/mean_length" in metrics:
         parts.append(f"{_si(metrics['completions/mean_length'] * num_rollouts / generate_s)} tok/s")
     if memory_gb is not None:
@@ -56,7 +62,21 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float], *, num_rol
     if "step_time" in metrics:
         split = " ".join(f"{label} {metrics[name]:.2f}" for name, label in TIME_SPLIT if name in metrics)
         parts.append(f"{metrics['step_time']:.2f}s/step" + (f" ({split})" if split else ""))
-    return " | ".join(parts)
+    return wrap(parts, width)
+
+
+def wrap(parts: list[str], width: int, indent: str = "    ") -> str:
+    """Parts joined by " | ", a new indented line where the next part would pass `width`.
+
+    Example: wrap(["step 1/2", "reward 0.5", "lr 1e-3"], 20) -> "step 1/2 | reward 0.5\n    lr 1e-3"
+    """
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 3 + len(part) > width:
+            lines.append(indent + part)
+        else:
+            lines[-1] += " | " + part
+    return "\n".join(lines)
 
 
 def _si(value: float) -> str:

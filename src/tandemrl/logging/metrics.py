@@ -18,10 +18,11 @@ from tandemrl.logging.sinks import build_sinks, flat_row
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
-# One naming scheme: `area/name` (reward/, completions/, rewards/<fn>/, train/, time/, rollout/, ...).
-# The figures TRL (and ms-swift) report under a bare name keep that name too, as an alias written beside
-# the area/name one, so a TRL user's dashboards read a tandem run as they read a TRL run. This map is
-# the one place the two names meet; an emitter may use either, the logger writes both.
+# One name per metric in metrics.jsonl: TRL's (1.16, and ms-swift's) where TRL reports the figure
+# (reward, kl, completions/mean_length, sampling/..., num_tokens), else `area/name` (time/, rollout/,
+# train/, pipeline/, ...), so a TRL user's scripts read a tandem run as they read a TRL run. The figures TRL
+# names bare are also given to the sinks (TensorBoard, W&B, trackio) under an `area/name` alias, which
+# those group into panels by area. This map is the one place the two names meet; an emitter may use either.
 TRL_ALIASES: dict[str, str] = {  # area/name -> TRL's name
     "reward/mean": "reward",
     "reward/std": "reward_std",
@@ -32,7 +33,6 @@ TRL_ALIASES: dict[str, str] = {  # area/name -> TRL's name
     "train/clip_ratio": "clip_ratio",
     "train/cispo_clip_ratio": "cispo_clip_ratio",
     "train/ratio": "ratio",
-    "train/tis_weight": "tis_weight",
     "train/grad_norm": "grad_norm",
     "train/learning_rate": "learning_rate",
     "train/policy_version": "policy_version",
@@ -41,17 +41,21 @@ TRL_ALIASES: dict[str, str] = {  # area/name -> TRL's name
 _AREA_NAME = {alias: name for name, alias in TRL_ALIASES.items()}
 
 
-def with_aliases(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Every figure under its area/name, and under TRL's name where TRL has one.
+def canonical(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Each figure under its one name: TRL's where TRL has one. Example: {"train/kl": 0.1} -> {"kl": 0.1}"""
+    return {TRL_ALIASES.get(name, name): value for name, value in metrics.items()}
 
-    Example: {"reward": 0.5, "time/generate": 1.0} -> {"reward/mean": 0.5, "reward": 0.5, "time/generate": 1.0}
+
+def with_aliases(metrics: dict[str, Any]) -> dict[str, Any]:
+    """For the sinks: every figure under its one name, and under its area/name where TRL names it bare.
+
+    Example: {"reward": 0.5, "time/generate": 1.0} -> {"reward": 0.5, "reward/mean": 0.5, "time/generate": 1.0}
     """
     out: dict[str, Any] = {}
-    for name, value in metrics.items():
-        name = _AREA_NAME.get(name, name)
+    for name, value in canonical(metrics).items():
         out[name] = value
-        if name in TRL_ALIASES:
-            out[TRL_ALIASES[name]] = value
+        if name in _AREA_NAME:
+            out[_AREA_NAME[name]] = value
     return out
 
 
@@ -66,23 +70,30 @@ def _json_value(value: Any) -> Any:
 class MetricsLogger:
     """Writes one row of metrics per step, and sample completions, to every sink of a run.
 
-    `report_to` names extra sinks (wandb, trackio); `run_name` defaults to the run directory's name.
+    `report_to` names extra sinks (wandb, trackio); `run_name` defaults to the run directory's name. A run
+    resumed at `first_step` drops the rows of later steps first (logged after that checkpoint, before a crash:
+    the resumed run logs them again), so each step is in metrics.jsonl and completions.jsonl once.
     """
 
     def __init__(
-        self, run_dir: str | Path, *, report_to: Sequence[str], config: dict[str, Any], run_name: str | None = None
-    ) -> None:
+        self, run_dir: str | Path, *, report_to: Sequence[str], config: dict[str, Any], run_name: str | None = None,
+        first_step: int | None = None,
+    ) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if first_step is not None:
+            for name in (METRICS_FILE, COMPLETIONS_FILE):
+                _drop_steps_after(self.run_dir / name, first_step)
         self.sinks = build_sinks(report_to, self.run_dir, config, run_name or self.run_dir.resolve().name)
         self._metrics_file = _open_append(self.run_dir / METRICS_FILE)
         self._completions_file = _open_append(self.run_dir / COMPLETIONS_FILE)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Example: log(3, {"reward": 0.5}) appends the line {"step": 3, "reward/mean": 0.5, "reward": 0.5}."""
-        row = {name: _json_value(value) for name, value in with_aliases(metrics).items()}
+        """Example: log(3, {"reward/mean": 0.5}) appends the line {"step": 3, "reward": 0.5}; the sinks get
+        reward and reward/mean."""
+        row = {name: _json_value(value) for name, value in canonical(metrics).items()}
         _write_line(self._metrics_file, {"step": step, **row})
-        scalars = {name: float(value) for name, value in row.items() if isinstance(value, int | float)}
+        scalars = {name: float(value) for name, value in with_aliases(row).items() if isinstance(value, int | float)}
         for sink in self.sinks:
             sink.log(step, scalars)
 
@@ -119,6 +130,34 @@ def _open_append(path: Path) -> Any:
     if torn:
         file.write("\n")
     return file
+
+
+def _drop_steps_after(path: Path, step: int) -> None:
+    """Rewrites a JSONL file of {"step": ...} rows without those of later steps (and a torn last line)."""
+    if not path.is_file():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def last_value(run_dir: str | Path, name: str, *, step: int) -> float | None:
+    """`name`'s value at `step` in run_dir/metrics.jsonl (None if not logged). Example: a resumed run's num_tokens."""
+    try:
+        rows = read_metrics(run_dir)
+    except FileNotFoundError:
+        return None
+    value = next((row.get(name) for row in rows if row["step"] == step), None)
+    return None if value is None or math.isnan(value) else value
 
 
 def _write_line(file: Any, row: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from tandemrl.logging.console import TIME_SPLIT
 from tandemrl.logging.metrics import read_metrics
 
 Rows = list[dict[str, float]]
@@ -179,9 +180,11 @@ def _simple(title: str, keys: list[str]) -> Callable[[Axes, Rows], None]:
 
 
 def _time_panel(ax: Axes, rows: Rows) -> None:
-    """Seconds per step, stacked by phase (time/*); the step_time line shows what the phases miss."""
-    phases = _keys(rows, "time")
-    phases = [p for p in phases if p != "time"]
+    """Seconds per step, stacked by phase (the critical-path phases, which add up to step_time: the black line
+    lies on the stack's top); never a total stacked as if it were a phase (a run logged before the split added
+    up may hold time/step)."""
+    logged = {key for row in rows for key in row}
+    phases = [name for name, _ in TIME_SPLIT if name in logged]
     if phases:
         steps = np.array([row["step"] for row in rows], dtype=float)
         window = smoothing_window(len(steps))

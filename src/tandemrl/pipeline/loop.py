@@ -55,6 +55,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     num_refilled = 0  # prompts taken by dynamic sampling's extra rounds, beyond the producer's P a step
     steps: list[list[Group]] = []  # the groups of the current round's steps not trained yet
     sizes = iter(rounds)
+    tokens_seen = settings.num_tokens_seen
     try:
         for step in range(start_step, settings.max_steps):
             started = time.perf_counter()
@@ -71,6 +72,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             else:  # the round's generation and scoring were logged at its first step
                 times = dict.fromkeys(times, 0.0)
             waited = time.perf_counter() - started
+            times = critical_path(times, waited)
             groups = steps.pop(0)
             batch, group_metrics = _batch(groups, settings, parts.trainer.policy_version, round_groups=round_groups)
             metrics = {**group_metrics, **times, "pipeline/wait_time": waited, **await _train_and_publish(parts, settings, batch)}
@@ -78,6 +80,9 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             buffer.release(p)  # the weights trained on these groups are live: admit the next ones
             metrics["pipeline/queue_depth"] = float(buffer.num_ready)
             metrics["step_time"] = time.perf_counter() - started
+            metrics["time/other"] = metrics["step_time"] - sum(metrics.get(k, 0.0) for k in PHASES if k != "time/other")
+            tokens_seen += sum(len(r.trace.token_ids) for g in groups if not failed(g) for r in g.rollouts)
+            metrics["num_tokens"] = float(tokens_seen)
             if parts.evals is not None and parts.evals.due(step + 1, settings.max_steps) and parts.dp.is_main:
                 metrics.update(await evaluate(parts, parts.evals, step + 1, seed=settings.seed))
             parts.logger.log(step + 1, metrics)
@@ -89,6 +94,23 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     finally:
         await producer.cancel()
     return metrics
+
+
+PHASES = ("time/generate", "time/reward", "time/train", "time/sync", "time/other")
+"""A step's seconds on the trainer's critical path; they add up to step_time."""
+
+
+def critical_path(times: dict[str, float], waited_s: float) -> dict[str, float]:
+    """The step's wait for its groups split into generation and reward: time/reward is the scoring still
+    running once the last group was generated (given as time/reward), at most the wait; time/generate is the
+    rest of the wait. Scoring that overlapped generation, and generation that overlapped the previous step's
+    training (--max_staleness), are not on the critical path: rollout/generate_s and rollout/reward_s say how
+    long each took in all.
+
+    Example: {"time/reward": 0.3, "rollout/reward_s": 2.1}, waited 1.0 -> time/generate 0.7, time/reward 0.3
+    """
+    reward = min(times.get("time/reward", 0.0), waited_s)
+    return {**times, "time/generate": waited_s - reward, "time/reward": reward}
 
 
 async def _take_round(
@@ -158,7 +180,8 @@ async def _generate_and_score(
         log.warning("%s; the %d groups it was scoring are not trained", error, len(scored))
         mark_failed(scored)
         num_nonfinite, num_timeouts = 0, 1
-    times = {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1}
+    reward_s = time.perf_counter() - t1
+    times = {"rollout/generate_s": t1 - t0, "rollout/reward_s": reward_s, "time/reward": reward_s}  # serial: all on the critical path
     mine = iter(groups)
     groups = await _gathered(parts, [next(mine) if parts.dp.owns(p) else None for p in range(len(indices))])
     if all(g.error for g in groups):  # the generator is broken (a server died or froze): every rank stops here

@@ -87,14 +87,17 @@ class Producer:
             self.parts.progress.phase("reward")
 
     def step_times(self, indices: range) -> dict[str, float]:
-        """time/generate: first admission to last generated group of a step (it overlaps training when
-        S > 0); time/reward: seconds its groups spent scoring, summed (scoring overlaps generation)."""
+        """rollout/generate_s: first admission to last generated group of a step (it overlaps training when
+        S > 0); rollout/reward_s: seconds its groups spent scoring, summed (scoring overlaps generation);
+        time/reward: scoring still running after the last group was generated (the loop's critical_path)."""
         timings = [self.timings.pop(i) for i in indices if i in self.timings]  # this rank's groups
         if not timings:  # a rank whose engine another rank of its tensor-parallel group drives
             timings = [GroupTiming(admitted=0.0, generated=0.0, reward_s=0.0)]
+        last_generated = max(t.generated for t in timings)
         return {
-            "time/generate": max(t.generated for t in timings) - min(t.admitted for t in timings),
-            "time/reward": sum(t.reward_s for t in timings),
+            "rollout/generate_s": last_generated - min(t.admitted for t in timings),
+            "rollout/reward_s": sum(t.reward_s for t in timings),
+            "time/reward": max(0.0, max(t.generated + t.reward_s for t in timings) - last_generated),
             "rollout/nonfinite_reward_groups": float(sum(t.nonfinite for t in timings)),
             "rollout/reward_timeouts": float(sum(t.timed_out for t in timings)),
         }
@@ -194,6 +197,20 @@ def reward_matrix(groups: list[Group]) -> torch.Tensor:
     return torch.tensor([[math.nan if x is None else x for x in g.rewards] for g in groups], dtype=torch.float64)
 
 
+def terminated_lengths(rollouts: list) -> dict[str, float]:
+    """TRL's completions/{mean,min,max}_terminated_length: sampled tokens of the completions that ended by
+    themselves (not cut at --max_completion_length); 0 when none did, as TRL.
+
+    Example: lengths [3, 8, 5], finish reasons [stop, length, stop] -> mean 4.0, min 3.0, max 5.0
+    """
+    lengths = [float(r.trace.num_sampled) for r in rollouts if r.finish_reason != "length"] or [0.0]
+    return {
+        "completions/mean_terminated_length": sum(lengths) / len(lengths),
+        "completions/min_terminated_length": min(lengths),
+        "completions/max_terminated_length": max(lengths),
+    }
+
+
 def reward_metrics(groups: list[Group]) -> dict[str, float]:
     """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out."""
     rewards = reward_matrix(groups)  # [P, G]
@@ -206,6 +223,7 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        **terminated_lengths(rollouts),
     }
     for name in rollouts[0].rewards:
         values = torch.tensor([r.rewards[name] for r in rollouts if r.rewards[name] is not None], dtype=torch.float64)

@@ -27,6 +27,7 @@ class LoopSettings:
     steps_per_generation: int = 1
     logprob_mismatch_warning: float = 0.0
     save_merged: bool = False  # LoRA: checkpoints hold the merged model too
+    num_tokens_seen: int = 0  # TRL's num_tokens (prompt + completion tokens trained on) before the first step: a resumed run's
 
     @property
     def max_policy_lag(self) -> int:

@@ -190,7 +190,9 @@ class Trainer:
         metrics["loss"] = loss.detach()
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version
-        metrics["train/logprob_mismatch"] = (mean_weights * (m.old_logprobs - m.behaviour_logprobs).abs()).sum()
+        difference = (m.old_logprobs - m.behaviour_logprobs).abs()  # [N]: TRL's sampling/sampling_logp_difference
+        metrics["sampling/sampling_logp_difference/mean"] = (mean_weights * difference).sum()
+        metrics["sampling/sampling_logp_difference/max"] = torch.where(m.loss_mask, difference, 0.0).max()
         metrics.update(logprob_mismatch_kl(m.old_logprobs, m.behaviour_logprobs, mean_weights, m.policy_versions == self.policy_version))
         return loss, metrics
 

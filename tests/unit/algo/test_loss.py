@@ -148,7 +148,7 @@ def test_policy_loss_adds_tis_weighted_surrogate_and_beta_k3_kl():
     )  # fmt: skip
     assert loss.item() == pytest.approx(0.5 * (-1.5 + 0.1 * kl0) + 0.5 * -1.0)
     assert metrics["kl"].item() == pytest.approx(0.5 * kl0)
-    assert metrics["tis_weight"].item() == pytest.approx(1.25)
+    assert metrics["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(1.25)
     assert (metrics["clip_ratio/region_mean"].item(), metrics["ratio"].item()) == pytest.approx((0.0, 1.0))
 
 

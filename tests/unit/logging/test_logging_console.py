@@ -8,9 +8,19 @@ from tandemrl.tasks.tiny import build_tokenizer
 
 def test_step_line_shows_what_was_logged_and_derives_tokens_per_s():
     metrics = {"reward": 0.5, "reward_std": 0.1, "completions/mean_length": 8.0, "learning_rate": 1e-3,
-               "time/generate": 0.2, "time/train": 0.25, "step_time": 0.5}  # fmt: skip
-    line = step_line(10, 150, metrics, num_rollouts=128, memory_gb=3.25)
-    assert line == "step 10/150 | reward 0.500 ± 0.100 | len 8.0 | lr 1.00e-03 | 5.1k tok/s | mem 3.2G | 0.50s/step (gen 0.20 train 0.25)"
+               "rollout/generate_s": 0.2, "time/generate": 0.1, "time/train": 0.25, "step_time": 0.5}  # fmt: skip
+    line = step_line(10, 150, metrics, num_rollouts=128, memory_gb=3.25, width=200)
+    assert line == "step 10/150 | reward 0.500 ± 0.100 | len 8.0 | lr 1.00e-03 | 5.1k tok/s | mem 3.2G | 0.50s/step (gen 0.10 train 0.25)"
+
+
+def test_a_full_step_line_wraps_at_80_columns_between_parts():
+    metrics = {"reward": 0.25, "reward_std": 0.176, "completions/mean_length": 7.9, "entropy": 5.73, "kl": 0.00123,
+               "grad_norm": 0.345, "learning_rate": 1e-3, "rollout/generate_s": 0.04, "time/generate": 0.04, "time/reward": 0.0,
+               "time/train": 0.16, "time/sync": 0.0, "time/other": 0.01, "step_time": 0.21}  # fmt: skip
+    lines = step_line(20, 150, metrics, num_rollouts=128, memory_gb=31.5).split("\n")
+    assert len(lines) == 3 and all(len(line) <= 80 for line in lines), lines
+    assert lines[0].startswith("step 20/150 | reward 0.250 ± 0.176") and lines[1].startswith("    ")
+    assert " | ".join(line.strip() for line in lines).endswith("0.21s/step (gen 0.04 reward 0.00 train 0.16 sync 0.00 other 0.01)")
 
 
 def test_undecodable_bytes_show_as_hex_and_control_characters_are_escaped():

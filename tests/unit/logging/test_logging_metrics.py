@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from tandemrl.logging.metrics import TRL_ALIASES, MetricsLogger, read_metrics, with_aliases
+from tandemrl.logging.metrics import TRL_ALIASES, MetricsLogger, canonical, read_metrics, with_aliases
 
 
 def test_metrics_round_trip_keeps_ints_and_nan(tmp_path):
@@ -14,7 +14,7 @@ def test_metrics_round_trip_keeps_ints_and_nan(tmp_path):
         logger.log(2, {"reward": 0.5, "policy_version": 2, "kl": 0.01})
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2]
-    assert rows[1] == {"step": 2, "reward/mean": 0.5, "reward": 0.5, "train/policy_version": 2, "policy_version": 2, "train/kl": 0.01, "kl": 0.01}
+    assert rows[1] == {"step": 2, "reward": 0.5, "policy_version": 2, "kl": 0.01}  # one name per metric
     assert isinstance(rows[0]["policy_version"], int) and math.isnan(rows[0]["kl"])
     first_line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     assert json.loads(first_line)["kl"] is None  # strict JSON: jq and pandas read it
@@ -101,7 +101,7 @@ def test_wandb_sink_gets_config_metrics_table_and_finish(tmp_path, monkeypatch):
         logger.log(1, {"reward": 0.5, "policy_version": 1})
         logger.log_completions(1, [{"prompt": "a", "completion": "b", "reward": 0.5}])
     assert calls[0] == ("init", {"project": "p", "name": "r", "config": {"beta": 0.0}, "dir": str(tmp_path)})
-    assert calls[1] == ("log", 1, {"reward/mean": 0.5, "reward": 0.5, "train/policy_version": 1.0, "policy_version": 1.0})
+    assert calls[1] == ("log", 1, {"reward": 0.5, "reward/mean": 0.5, "policy_version": 1.0, "train/policy_version": 1.0})
     assert calls[2] == ("log", 1, {"completions": ("table", ["prompt", "completion", "reward"], [["a", "b", 0.5]])})
     assert calls[3] == ("finish",)
 
@@ -111,7 +111,23 @@ def test_read_metrics_of_missing_dir_is_file_not_found(tmp_path):
         read_metrics(tmp_path / "nope")
 
 
-def test_one_naming_scheme_with_trl_names_as_aliases():
-    assert with_aliases({"reward": 0.5, "time/generate": 1.0}) == {"reward/mean": 0.5, "reward": 0.5, "time/generate": 1.0}
-    assert with_aliases({"train/kl": 0.1}) == {"train/kl": 0.1, "kl": 0.1}  # either name in, both out
+def test_one_name_per_metric_trls_where_it_has_one_and_area_aliases_for_sinks(tmp_path):
+    assert canonical({"reward/mean": 0.5, "train/kl": 0.1, "time/train": 1.0}) == {"reward": 0.5, "kl": 0.1, "time/train": 1.0}
+    assert with_aliases({"reward": 0.5, "time/generate": 1.0}) == {"reward": 0.5, "reward/mean": 0.5, "time/generate": 1.0}
+    assert with_aliases({"train/kl": 0.1}) == {"kl": 0.1, "train/kl": 0.1}  # either name in, both out
     assert all("/" in name and "/" not in alias for name, alias in TRL_ALIASES.items())
+    with MetricsLogger(tmp_path, report_to=[], config={}) as logger:
+        logger.log(1, {"reward/mean": 0.5, "step_time": 1.0, "time/train": 0.5})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "reward": 0.5, "step_time": 1.0, "time/train": 0.5}
+
+
+def test_a_resumed_run_drops_the_steps_it_replays_from_both_files(tmp_path):
+    with MetricsLogger(tmp_path, report_to=[], config={}) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"reward": step / 10})
+            logger.log_completions(step, [{"prompt": "p", "completion": "c", "reward": 0.0}])
+    with MetricsLogger(tmp_path, report_to=[], config={}, first_step=2) as logger:  # resumed from checkpoint-2
+        logger.log(3, {"reward": 0.9})
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and read_metrics(tmp_path)[-1]["reward"] == 0.9
+    assert [json.loads(line)["step"] for line in (tmp_path / "completions.jsonl").read_text().splitlines()] == [1, 2]

@@ -4,6 +4,7 @@
 # system-wide, e.g. a torch you already have) unless a virtual environment is active or PYTHON names
 # an interpreter. A venv also works where the system Python refuses pip installs (PEP 668).
 # CPU torch here when none is installed (users with GPUs install their own build, or set TANDEM_TORCH).
+# A second call installs nothing unless pyproject.toml or the environment changed (a stamp in the env).
 set -euo pipefail
 cd "$(dirname "$0")"
 START=$SECONDS
@@ -28,25 +29,61 @@ choose_python() {
   fi
 }
 
+# pip's progress lines, each as it comes: Debian's default awk (mawk) block-buffers a pipe, so this
+# filter is the interpreter being installed into, unbuffered (it exists wherever dev.sh runs)
+FILTER='import sys
+for line in sys.stdin:
+    if line.startswith(("Collecting", "Downloading", "Installing", "Successfully", "ERROR")):
+        print("  " + line, end="", flush=True)'
+
 pip_install() {  # pip's own progress, one line per package; the whole log is kept for errors
-  "$PY" -m pip install "$@" 2>&1 | tee -a "$LOG" |
-    awk '/^(Collecting|Downloading|Installing|Successfully|ERROR)/ { print "  " $0; fflush() }' || {
+  "$PY" -m pip install "$@" 2>&1 | tee -a "$LOG" | "$PY" -u -c "$FILTER" || {
     echo "dev.sh: pip install $* failed; the end of its log ($LOG):" >&2
     tail -n 20 "$LOG" >&2
     exit 1
   }
 }
 
+torch_spec() {  # pyproject.toml's torch range (or TANDEM_TORCH), so dev.sh and pip agree
+  echo "${TANDEM_TORCH:-$(grep -o '"torch[^"]*"' pyproject.toml | head -n 1 | tr -d '"')}"
+}
+
+install_torch() {
+  local spec; spec=$(torch_spec)
+  # PyPI's Linux x86-64/aarch64 torch is the CUDA build (GBs of CUDA libraries); the CPU build has its own index.
+  # Elsewhere (macOS, other CPUs) PyPI's wheel is the CPU one. TANDEM_TORCH (a pip requirement) chooses for you.
+  case "$(uname -s)/$(uname -m)" in
+    Linux/x86_64|Linux/aarch64)
+      if [ -z "${TANDEM_TORCH:-}" ]; then
+        say "installing $spec, the CPU build (--index-url https://download.pytorch.org/whl/cpu; the longest step)"
+        pip_install "$spec" --index-url https://download.pytorch.org/whl/cpu
+        return
+      fi ;;
+  esac
+  say "installing $spec (the longest step)"
+  pip_install "$spec"
+}
+
+stamp() {  # what the install depends on: pyproject.toml, the interpreter and its environment, TANDEM_TORCH
+  { cat pyproject.toml; "$PY" -c 'import sys; print(sys.prefix, sys.version)'; echo "${TANDEM_TORCH:-}"; } | "$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'
+}
+
 install() {
   choose_python
+  local stamp_file; stamp_file="$("$PY" -c 'import sys; print(sys.prefix)')/.tandem-dev-stamp"
+  local want; want=$(stamp)
+  if [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ] && "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec(\"torch\") and u.find_spec(\"tandemrl\")))" 2>/dev/null; then
+    say "install up to date (pyproject.toml and the environment unchanged since the last install): skipping pip"
+    return
+  fi
   if ! "$PY" -c "import torch" 2>/dev/null; then
-    say "installing ${TANDEM_TORCH:-torch==2.13.0} (a CPU build where the index serves one; the longest step)"
-    pip_install "${TANDEM_TORCH:-torch==2.13.0}"
+    install_torch
   fi
   say "installing tandem and its dependencies (pip install -e \".[dev]\")"
   pip_install -e ".[dev]"
   "$PY" -c "import tandemrl" || { echo "dev.sh: install failed: tandemrl does not import" >&2; exit 1; }
   rm -f "$LOG"
+  echo "$want" > "$stamp_file" 2>/dev/null || true  # an unwritable environment just installs again next time
   say "installed; $("$PY" -c 'import sys; print(sys.prefix)')/bin/tandem is the command"
 }
 

@@ -29,7 +29,9 @@ class RunConfig:
     """What runs and for how long."""
 
     task: str = ""
-    """Built-in task (data + rewards + recipe): synthetic or gsm8k. Default: synthetic when no --dataset."""
+    """Built-in task (data + rewards + recipe): synthetic (digits/letters, the tiny policy learns it on a CPU),
+    gsm8k (grade-school math), calculator (arithmetic with a Python tool, multi-turn) or lookup (a tool task
+    the tiny policy learns on a CPU). Default: synthetic when no --dataset."""
     model: str = ""
     """Policy: a Hugging Face id or local directory (any causal LM), or tandem:tiny (built in code)."""
     max_steps: int = 150

@@ -10,6 +10,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,10 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         with frozen_heap():
             settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step))
             asyncio.run(_main(parts, settings, start_step, config, judge_generator))
+    except KeyboardInterrupt:
+        if dp.is_main:
+            print(f"tandem train: interrupted; {how_to_continue(run_dir)}", file=sys.stderr, flush=True)
+        raise
     finally:
         parts.progress.close()
         parts.logger.close()
@@ -196,6 +201,14 @@ def _run_dir(config: TrainConfig) -> Path:
         except FileExistsError:
             continue
     raise AssertionError("unreachable")
+
+
+def how_to_continue(run_dir: Path) -> str:
+    """The command that continues a stopped run (its flags are in its config.yaml), or says none is needed."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"no checkpoint yet in {run_dir}: run the same command with --output_dir {run_dir} to start it again in place"
+    return f"continue from {checkpoint.name} with: tandem train --output_dir {run_dir} --resume"
 
 
 def _set_aside(run_dir: Path, *, resumed: bool) -> None:

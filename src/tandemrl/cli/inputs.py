@@ -22,6 +22,7 @@ PROBE_TIMEOUT_S = 3.0
 
 
 def check_inputs(config: TrainConfig) -> None:
+    _check_sinks(config.log.report_to)
     model, dataset = config.run.model, config.data.dataset
     if not model:
         raise ValueError(
@@ -47,6 +48,15 @@ def check_inputs(config: TrainConfig) -> None:
             f"model {model!r} is not in the local Hugging Face cache and the hub is offline; download it once with "
             "network access (huggingface-cli download ...), or pass --model with a local directory or tandem:tiny"
         )
+
+
+def _check_sinks(report_to: tuple[str, ...]) -> None:
+    """--report_to wandb or trackio without the package: an error now, not after the model loaded."""
+    import importlib.util
+
+    for name in report_to:
+        if name in ("wandb", "trackio") and importlib.util.find_spec(name) is None:
+            raise ValueError(f"--report_to {name} needs the {name} package: pip install {name}")
 
 
 def hub_reachable() -> bool:

@@ -28,8 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="store_true", help="print the version of tandem and of torch, transformers")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
+        return 0
+    if argv[0] == "--version":
+        print(versions())
         return 0
     if argv[0] not in COMMANDS:
         hint = did_you_mean(argv[0], COMMANDS)
@@ -54,6 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def versions() -> str:
+    """Example: "tandem 0.1.0 (torch 2.11.0, transformers 5.17.0, Python 3.12.3)"; read from package metadata
+    (nothing imported, so it is instant)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tandemrl
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"tandem {tandemrl.__version__} (torch {of('torch')}, transformers {of('transformers')}, Python {python})"
 
 
 if __name__ == "__main__":

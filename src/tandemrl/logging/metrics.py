@@ -59,6 +59,16 @@ def with_aliases(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as one text: chat messages one a line as role: content.
+
+    Example: [{"role": "user", "content": "2+2?"}] -> "user: 2+2?"
+    """
+    if isinstance(prompt, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in prompt)
+    return str(prompt)
+
+
 def _json_value(value: Any) -> Any:
     """Plain JSON numbers: ints stay ints (policy_version), tensors and numpy scalars become floats."""
     if isinstance(value, bool | int | str) or value is None:
@@ -98,13 +108,15 @@ class MetricsLogger:
             sink.log(step, scalars)
 
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """Rows hold prompt, completion, reward and per-function rewards (`rewards/<fn>` or a nested dict)."""
-        rows = [{name: _json_value(v) for name, v in flat_row(row).items()} for row in rows]
+        """Rows hold prompt, completion, reward and per-function rewards (`rewards/<fn>` or a nested dict).
+        A chat prompt (a list of messages) is written to completions.jsonl as that list, to the sinks as text."""
+        rows = [{name: v if isinstance(v, list) else _json_value(v) for name, v in flat_row(row).items()} for row in rows]
         for row in rows:
             _write_line(self._completions_file, {"step": step, **row})
         if rows:
+            texts = [{**row, "prompt": prompt_text(row["prompt"])} if "prompt" in row else row for row in rows]
             for sink in self.sinks:
-                sink.log_completions(step, rows)
+                sink.log_completions(step, texts)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -24,6 +24,7 @@ import torch
 
 from tandemrl.algo.advantage import group_relative_advantages, nan_std, zero_variance_groups
 from tandemrl.logging.console import readable_text
+from tandemrl.logging.metrics import prompt_text
 from tandemrl.pipeline.buffer import RolloutBuffer
 from tandemrl.pipeline.evaluate import evaluate
 from tandemrl.pipeline.parts import LoopParts
@@ -56,6 +57,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     steps: list[list[Group]] = []  # the groups of the current round's steps not trained yet
     sizes = iter(rounds)
     tokens_seen = settings.num_tokens_seen
+    num_constant = 0  # steps in a row whose every group had equal rewards
     try:
         for step in range(start_step, settings.max_steps):
             started = time.perf_counter()
@@ -77,6 +79,8 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             batch, group_metrics = _batch(groups, settings, parts.trainer.policy_version, round_groups=round_groups)
             metrics = {**group_metrics, **times, "pipeline/wait_time": waited, **await _train_and_publish(parts, settings, batch)}
             _check_mismatch(metrics, settings.logprob_mismatch_warning, step + 1)
+            num_constant = num_constant + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
+            warn_constant_reward(num_constant, step + 1)
             buffer.release(p)  # the weights trained on these groups are live: admit the next ones
             metrics["pipeline/queue_depth"] = float(buffer.num_ready)
             metrics["step_time"] = time.perf_counter() - started
@@ -271,6 +275,21 @@ async def publish_policy(parts: LoopParts) -> None:
         raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
 
 
+CONSTANT_REWARD_STEPS = (1, 10, 100)  # warn at these lengths of a run of constant-reward steps
+
+
+def warn_constant_reward(num_steps: int, step: int) -> None:
+    """A step whose every group scored its rollouts alike has zero advantages, so zero gradient: the policy
+    does not move. Said at the first such step and again if it lasts, not every step."""
+    if num_steps in CONSTANT_REWARD_STEPS:
+        what = "this step" if num_steps == 1 else f"the last {num_steps} steps"
+        log.warning(
+            "step %d: every group's rewards are equal in %s (frac_reward_zero_std 1): advantages are 0, so the policy "
+            "does not change; check the reward functions (rewards/<fn>/mean) or sample more varied completions "
+            "(--num_generations, --temperature)", step, what,
+        )  # fmt: skip
+
+
 def _check_mismatch(metrics: dict[str, float], threshold: float, step: int) -> None:
     """Turns the trainer's lag-0 mismatch sum into a mean over lag-0 tokens; warns past `threshold`.
 
@@ -295,10 +314,13 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     if not every or (step % every and step != settings.max_steps):
         return
     rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
-    rows = [{"prompt": str(r.example.prompt), "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards} for r in rollouts]
-    parts.logger.log_completions(step, rows)
+    rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards} for r in rollouts]
+    parts.logger.log_completions(step, rows)  # a chat prompt stays its messages in completions.jsonl
     sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
-    shown = [{**row, "completion": readable_text(parts.tokenizer, ids, row["completion"])} for row, ids in zip(rows, sampled)]
+    shown = [
+        {**row, "prompt": prompt_text(row["prompt"]), "completion": readable_text(parts.tokenizer, ids, row["completion"])}
+        for row, ids in zip(rows, sampled)
+    ]
     parts.progress.print_completions(step, shown)
 
 

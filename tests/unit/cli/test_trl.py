@@ -116,3 +116,33 @@ def test_trl_keys_tandem_cannot_honour_are_refused_and_batch_conflicts_named():
 def test_did_you_mean_searches_trls_names_and_common_aliases(typed, meant):
     with pytest.raises(ValueError, match=f"unknown flag {typed} \\(did you mean {meant}\\?\\)"):
         parse([typed, "1"])
+
+
+def readme_default_differences() -> list[list[str]]:
+    """The rows of README's "Differences from TRL 1.16's defaults" table, cells without backticks."""
+    text = (Path(__file__).parents[3] / "README.md").read_text()
+    table = text[text.index("**Differences from TRL 1.16's defaults.**") :].split("\n\n")[1]
+    rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert rows and all(len(row) == 5 for row in rows), table
+    return rows
+
+
+# same meaning, other spelling of the same default (TRL's None = tandem's own rule, 0 = -1 = off, ...)
+SAME_DEFAULT = {"bf16", "top_k", "min_p", "epsilon", "importance_sampling_level", "report_to", "output_dir", "run_name",
+                "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "reward_funcs", "reward_weights",
+                "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save"}  # fmt: skip
+
+
+def test_readme_table_of_default_differences_matches_trl_and_tandem_and_misses_none():
+    from tandemrl.config import TrainConfig
+
+    ours = TrainConfig().to_dict()
+    rows = readme_default_differences()
+    for key, theirs, flag, mine, _ in rows:
+        assert yaml.safe_load(theirs) == FIXTURE["keys"][key]["default"], key
+        assert yaml.safe_load(mine) == ours[flag.removeprefix("--")], flag
+    listed = {row[0] for row in rows}
+    for key, entry in FIXTURE["keys"].items():
+        if key in FLAGS and key not in SAME_DEFAULT and key not in listed:
+            theirs, mine = entry["default"], ours[key]
+            assert theirs == (list(mine) if isinstance(mine, tuple) else mine), f"{key}: TRL {theirs!r}, tandem {mine!r}: add it to README's table"

@@ -131,3 +131,13 @@ def test_a_resumed_run_drops_the_steps_it_replays_from_both_files(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and read_metrics(tmp_path)[-1]["reward"] == 0.9
     assert [json.loads(line)["step"] for line in (tmp_path / "completions.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_chat_prompt_is_stored_as_its_messages_and_shown_to_sinks_as_text(tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    seen = []
+    with MetricsLogger(tmp_path, report_to=[], config={}) as logger:
+        logger.sinks.append(types.SimpleNamespace(log=lambda *a: None, log_completions=lambda step, rows: seen.extend(rows), close=lambda: None))
+        logger.log_completions(1, [{"prompt": messages, "completion": "4", "reward": 1.0}])
+    assert json.loads((tmp_path / "completions.jsonl").read_text())["prompt"] == messages
+    assert seen[0]["prompt"] == "system: be brief\nuser: 2+2?"

@@ -24,3 +24,12 @@ def test_terminated_lengths_leave_out_completions_cut_at_the_limit_and_are_0_wit
     got = terminated_lengths([rollout(3, "stop"), rollout(8, "length"), rollout(5, "stop")])
     assert got == {"completions/mean_terminated_length": 4.0, "completions/min_terminated_length": 3.0, "completions/max_terminated_length": 5.0}
     assert set(terminated_lengths([rollout(8, "length")]).values()) == {0.0}
+
+
+def test_a_constant_reward_is_warned_at_its_first_step_and_when_it_lasts(caplog):
+    from tandemrl.pipeline.loop import warn_constant_reward
+
+    for run, step in zip(range(1, 12), range(5, 16)):
+        warn_constant_reward(run, step)
+    warned = [r.message for r in caplog.records if "rewards are equal" in r.message]
+    assert len(warned) == 2 and warned[0].startswith("step 5:") and "the last 10 steps" in warned[1]

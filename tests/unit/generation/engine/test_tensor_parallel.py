@@ -36,7 +36,7 @@ def _updated(model_dir: str) -> list[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    changed = ("q_proj.weight", "v_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    changed = ("q_proj.weight", "v_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight", "experts.gate_up_proj")
     return [(name, -t if name.endswith(changed) else t) for name, t in model.state_dict().items()]
 
 
@@ -127,7 +127,12 @@ def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
     # OLMo 2 with one KV head: its whole-projection k norm over a head replicated on both ranks
     olmo = save_tiny(str(tmp_path_factory.mktemp("olmo")), model_type="olmo2", seed=2, num_key_value_heads=1)
     named = {name: family_dirs[name] for name in ("qwen2", "qwen3", "phi3-longrope", "gemma2")}
-    return {**named, "llama-kv1-odd-vocab": odd, "olmo2-kv1": olmo}
+    # experts split over their width (per-expert files at load, stacked tensors in the update), one dense layer
+    moe = save_tiny(
+        str(tmp_path_factory.mktemp("moe")), model_type="qwen3_moe", seed=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, num_hidden_layers=3, mlp_only_layers=[1],
+    )  # fmt: skip
+    return {**named, "llama-kv1-odd-vocab": odd, "olmo2-kv1": olmo, "qwen3_moe": moe}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +140,7 @@ def tp2_results(model_dirs) -> dict[str, dict]:
     return _tp2([(name, path, name == COLOCATED) for name, path in model_dirs.items()])
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab", "phi3-longrope", "gemma2", "olmo2-kv1"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab", "phi3-longrope", "gemma2", "olmo2-kv1", "qwen3_moe"])
 def test_tp2_equals_tp1_before_and_after_a_weight_update_by_hf_name(name, model_dirs, tp2_results):
     engine = Engine(_config(model_dirs[name], 1))
     try:

@@ -48,7 +48,7 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, 
 def _grouped_gemm(
     a_ptr, w_ptr, c_ptr, scale_ptr, pairs_ptr, tile_experts_ptr, length_ptr,
     num_pairs, n_out, n_in, stride_a, stride_we, stride_wn, stride_c,
-    TOP_K: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # c[pair] = a[pair // TOP_K] @ w[expert]^T (* scale[pair]) for one [BLOCK_M, BLOCK_N] tile; w is [X, n_out, n_in]
@@ -75,7 +75,10 @@ def _grouped_gemm(
         in_k = offs_k < n_in - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if IEEE:  # float32 inputs: exact products (the tests' path), not TF32
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SCALE:
@@ -92,7 +95,7 @@ def _gemm(a: Tensor, w: Tensor, out: Tensor, aligned: tuple[Tensor, Tensor, Tens
     _grouped_gemm[grid](
         a, w, out, scale if scale is not None else out, pairs, tile_experts, length,
         num_pairs, n_out, n_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, SCALE=scale is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: the tests' exact path
+        TOP_K=top_k, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3,
     )  # fmt: skip
 

@@ -143,8 +143,20 @@ def _use_triton(tensor: Tensor) -> bool:
     return tensor.is_cuda and _TRITON[0] and _triton_installed()
 
 
-def _chunk_stats(hidden: Tensor):
+def _capped(rows: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(c * tanh(z / c), tanh(z / c)) of the raw logits z = rows @ weight^T, float32 [C, V] (Gemma 2's final cap)."""
+    squashed = torch.tanh(_mm_f32(rows, weight.t()) / softcap)
+    return squashed * softcap, squashed
+
+
+def _chunk_stats(hidden: Tensor, softcap: float = 0.0):
     """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy) -> (lse, logprobs, entropy) [C]."""
+    if softcap:  # the capped logits, then the torch path's statistics
+        def capped(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
+            logits = _capped(rows, weight, softcap)[0]
+            return _row_stats(logits / temperature if temperature != 1.0 else logits, target_ids, with_entropy)
+
+        return capped
     if _use_triton(hidden):
         from tandemrl.algo.logprobs_kernel import row_stats
 
@@ -160,9 +172,16 @@ def _chunk_stats(hidden: Tensor):
     return torch_path
 
 
-def _chunk_logits_grad(hidden: Tensor):
+def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0):
     """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature) ->
     the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`)."""
+    if softcap:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh^2
+        def capped(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
+            logits, squashed = _capped(rows, weight, softcap)
+            grad = _logits_grad(logits / temperature if temperature != 1.0 else logits, *per_row, temperature, torch.float32)
+            return (grad * (1 - squashed * squashed)).to(weight.dtype)
+
+        return capped
     if _use_triton(hidden):
         from tandemrl.algo.logprobs_kernel import logits_grad
 
@@ -182,14 +201,14 @@ class _LinearLogprobs(torch.autograd.Function):
     """logprobs [N] and entropy [N] of target_ids under softmax(hidden @ weight^T / T)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy):  # noqa: ANN001
+    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0):  # noqa: ANN001
         logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
-        stats = _chunk_stats(hidden)
+        stats = _chunk_stats(hidden, softcap)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy)
         ctx.save_for_backward(hidden, weight, target_ids, lse, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -203,7 +222,7 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_entropy = torch.zeros_like(lse)
         grad_hidden = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None  # contiguous: mm writes its rows
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        logits_grad = _chunk_logits_grad(hidden)
+        logits_grad = _chunk_logits_grad(hidden, ctx.softcap)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             grad = logits_grad(
@@ -214,7 +233,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]
             if grad_weight is not None:  # [V, H], float32 across chunks
                 _add_mm_f32(grad_weight, grad.t(), hidden[rows], in_matmul=_use_triton(hidden))
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -225,12 +244,14 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Logprob of each target token under softmax(lm_head(hidden) / temperature), and its entropy.
 
     hidden [N, H], target_ids [N] -> logprobs [N] float32, entropy [N] float32 (zeros unless
     with_entropy; both carry gradients, so an entropy bonus can train). Dividing by the sampling temperature scores tokens under the
-    distribution they were sampled from. lm_head is a bias-free Linear (the Llama/Qwen head).
+    distribution they were sampled from. lm_head is a bias-free Linear (the Llama/Qwen head). `softcap` c > 0:
+    the logits are c * tanh(logits / c) first (Gemma 2's final_logit_softcapping), as transformers' forward.
     Example: hidden [[1.0]], lm_head Linear(1, 2) with weight [[0], [0]], target [0] -> ([-ln 2], [ln 2])
     """
     if temperature <= 0:
@@ -242,4 +263,4 @@ def logprobs_and_entropy(
     weight = lm_head.weight  # [V, H]
     if hidden.dtype != weight.dtype:  # under autocast the decoder may hand over another dtype than the head's
         hidden = hidden.to(weight.dtype)
-    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy)
+    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy, float(softcap))

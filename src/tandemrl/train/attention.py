@@ -6,7 +6,9 @@ row's layout as `cu_seq_lens_q` (S + 1 start offsets, int32) and `max_length_q`.
 the sum of squared sequence lengths, never with the square of the micro-batch: on CUDA in 16-bit it
 is torch's variable-length flash attention; elsewhere (CPU, float32) a causal SDPA per sequence.
 No dense [N, N] mask is built: transformers skips mask creation for attention functions it does not
-know.
+know. A layer's `sliding_window` W (Mistral, Gemma, ...: a query sees its last W tokens) and `softcap` c
+(Gemma 2: scores c * tanh(s / c)), which transformers passes as keyword arguments, are honoured: a window
+through flash attention's window size, a soft cap (flash here has none) by the per-sequence path.
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ def packed_attention(
     assert query.shape[0] == 1, "packed rows have batch size 1"
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D], [N, K, D]
     max_len = int(kwargs.get("max_length_q") or q.shape[0])
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN:
-        out = _flash(q, k, v, cu, max_len, scaling)
+    window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
+    flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN and not softcap
+    if flash and (not window or "window_size" in _VARLEN):
+        out = _flash(q, k, v, cu, max_len, scaling, window)
     else:
-        out = _per_sequence(q, k, v, cu, scaling)
+        out = _per_sequence(q, k, v, cu, scaling, window, softcap)
     return out.unsqueeze(0), None  # [1, N, H, D]
 
 
@@ -84,10 +88,12 @@ def _varlen_options() -> dict | None:
     return causal | ({"enable_gqa": True} if "enable_gqa" in params else {})
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scaling: float | None) -> Tensor:
+def _flash(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scaling: float | None, window: int = 0) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     options = dict(_VARLEN)
+    if window:  # keys i - (W - 1) .. i
+        options["window_size"] = (window - 1, 0)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" not in options:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -96,7 +102,7 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scaling: f
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **options)  # [N, H, D]
 
 
-def _per_sequence(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scaling: float | None) -> Tensor:
+def _per_sequence(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scaling: float | None, window: int = 0, softcap: float = 0.0) -> Tensor:
     groups = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)  # [N, H, D]
     bounds = cu.tolist()
@@ -104,5 +110,17 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scaling: float | 
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H or K, L, D]
         if groups > 1:
             ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling).transpose(0, 1)
+        if not window and not softcap:
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling).transpose(0, 1)
+            continue
+        positions = torch.arange(end - start, device=q.device)
+        distance = positions[:, None] - positions[None, :]  # [L, L] query - key
+        allowed = (distance >= 0) & (distance < window) if window else distance >= 0
+        if not softcap:
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scaling).transpose(0, 1)
+            continue
+        # transformers' eager order: scale, cap, mask, softmax in float32
+        scores = (qs @ ks.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)  # [H, L, L]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~allowed, float("-inf"))
+        out[start:end] = (scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ vs).transpose(0, 1)
     return out

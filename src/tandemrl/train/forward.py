@@ -155,6 +155,7 @@ def packed_logprobs(
     return logprobs_and_entropy(
         hidden[0, trained_index], model.get_output_embeddings(), target_ids[trained_index],
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+        softcap=getattr(model.config, "final_logit_softcapping", None) or 0.0,  # Gemma 2
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ timeout (sooner when the trainer hangs up), even when its thread is stuck in a c
 
 from __future__ import annotations
 
+import base64
 import asyncio
 import functools
 import json
@@ -219,7 +220,7 @@ class RolloutService:
         c: Completion = task.result()
         return Result(
             request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions,
-            top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,
+            top_logprobs=c.top_logprobs, finish_reason=c.finish_reason, routes=None if c.routes is None else base64.b64encode(c.routes).decode(),
         )  # fmt: skip
 
     async def expire_results(self) -> None:

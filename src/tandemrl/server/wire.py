@@ -124,6 +124,7 @@ class Result(BaseModel):
     logprobs: list[float] = Field(default_factory=list)
     policy_versions: list[int] = Field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
+    routes: str | None = Field(None, description="base64 of Completion.routes: each token's experts per sparse layer (tandem rollout --routing_replay).")
     finish_reason: Literal["stop", "length", "abort", "error"] = "abort"
     text: str = ""
     error: str | None = None

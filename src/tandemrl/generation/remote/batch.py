@@ -9,6 +9,7 @@ a cancelled call is aborted on its server; nothing waits past request_timeout_s.
 
 from __future__ import annotations
 
+import base64
 import asyncio
 import itertools
 import json
@@ -182,10 +183,11 @@ def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any
     if result.get("status", 200) >= 400:
         future.set_exception(ServerError(url, result["status"], result.get("error") or ""))
         return
-    top = result.get("top_logprobs")
+    top, routes = result.get("top_logprobs"), result.get("routes")
     future.set_result(Completion(
         token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"],
         top_logprobs=None if top is None else [{int(i): v for i, v in row.items()} for row in top],
+        routes=None if routes is None else base64.b64decode(routes),
     ))  # fmt: skip
 
 

@@ -278,6 +278,8 @@ class TrainConfig:
         if self.tools.enabled and not self.data.max_prompt_length < self.tools.max_total_tokens:
             raise ValueError(f"--max_total_tokens {self.tools.max_total_tokens} must exceed --max_prompt_length {self.data.max_prompt_length}; change one of them")
         shares_weights = g.rollout_mode == "colocate" and g.generator == "hf"  # the hf generator runs the trainer's model
+        if shares_weights and self.engine.routing_replay:
+            raise ValueError("--routing_replay needs --generator engine (or rollout servers started with --routing_replay): transformers generate records no routes")
         if shares_weights and (self.offload.offload_model or self.lora.enabled):
             raise ValueError("--offload_model and --lora_r need --generator engine (or --rollout_mode server): the hf generator runs the trainer's own model")
         if self.lora.enabled and self.algo.sync_ref_model:

@@ -71,6 +71,7 @@ def test_print_config_output_is_a_config_file(tmp_path, capsys):
     [
         (["--tensor_parallel_size", "2", "--max_staleness", "1"], "not supported"),
         (["--max_total_tokens", "64", "--max_prompt_length", "64", "--tools", "m:f"], "must exceed --max_prompt_length"),
+        (["--routing_replay", "--generator", "hf"], "records no routes"),
     ],
 )
 def test_rules_spanning_leaves_are_the_configs(flags, message):

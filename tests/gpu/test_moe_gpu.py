@@ -91,3 +91,43 @@ def test_gpu_engine_with_graphs_matches_cpu_engine_tokens_and_routes(tmp_path):
     assert len(matches) >= len(prompts) - 1
     agree = sum(x == y for a, b in matches for x, y in zip(a.routes, b.routes)) / sum(len(a.routes) for a, _ in matches)
     assert agree >= 0.99 and all(len(b.routes) == 24 * 2 * 4 for _, b in matches)  # tokens x sparse layers x top-k, a byte each
+
+
+@cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_trainer_replays_the_gpu_engines_routes(compiled):
+    """The GPU trainer path (bf16 twin, packed attention, fused head, compiled layers or not) on an MoE policy
+    with routes from the GPU engine: the step runs, replayed logprobs stay near the sampler's at lag 0."""
+    from tandemrl.algo.presets import AlgoConfig
+    from tandemrl.tasks.tiny import build_model, build_tokenizer
+    from tandemrl.train.config import TrainerConfig
+    from tandemrl.train.moe import routers_of
+    from tandemrl.train.trainer import Trainer
+    from tandemrl.types import Batch, Example, Group, Rollout, TokenTrace
+
+    policy = build_model(
+        build_tokenizer(), seed=2, model_type="qwen3_moe", head_dim=32, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=64, num_hidden_layers=3, mlp_only_layers=[1],
+    ).cuda()  # fmt: skip
+    with torch.no_grad():
+        for router in routers_of(policy):
+            router.weight.mul_(25)
+    engine = Engine(EngineConfig(device="cuda", routing_replay=True, gpu_memory_utilization=0.2, max_model_len=256), model=policy, tokenizer=None)
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(8)]
+
+    async def sample():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    completions = asyncio.run(sample())
+    asyncio.run(engine.close())
+    rollouts = []
+    for prompt, completion in zip(prompts, completions):
+        trace = TokenTrace()
+        trace.append_context(prompt)
+        trace.append_sampled(completion)
+        rollouts.append(Rollout(example=Example(prompt="p"), trace=trace))
+    batch = Batch(groups=[Group(example=Example(prompt="p"), rollouts=rollouts, advantages=[1.0, -1.0] * 4)], policy_version=0)
+    trainer = Trainer(TrainerConfig(torch_compile=compiled, router_aux_loss_coef=0.01), AlgoConfig(), policy, max_steps=1)
+    metrics = trainer.train_step(batch)
+    assert 0 < metrics["train/router_aux_loss"] < 10 and metrics["train/logprob_mismatch_kl_lag0"] < 0.05

@@ -3,10 +3,11 @@ and `tandem train` GRPO steps on a small MoE with and without --routing_replay.
 
 generate: 48 layers, 128 experts, top-8, hidden 2048, expert width 768 (random bf16, ~61 GB, built on the
 GPU). transformers `generate` (its default experts implementation, grouped_mm; sdpa; dynamic cache; timed
-warm) decodes --hf_sequences of the prompts, then hands its weights to the engine tensor by tensor (each
-freed once copied: two copies would not leave room for a KV cache), which runs the whole workload: 64
-prompts x 8 samples, 128 prompt tokens, 512 new tokens (ignore EOS, temperature 1). Figures are output
-tokens/s; one ratio line.
+warm) decodes --hf_sequences of the prompts for --hf_new_tokens (its step time is launch-bound, so fewer
+steps bound its share of the run; shorter contexts only flatter it), then hands its weights to the engine
+tensor by tensor (each freed once copied: two copies would not leave room for a KV cache), which runs the
+whole workload: 64 prompts x 8 samples, 128 prompt tokens, 512 new tokens (ignore EOS, temperature 1).
+Figures are output tokens/s; one ratio line.
 
 train: a Qwen3-MoE of 16 experts, top-4 (~1.3B parameters) saved with tandem's tiny tokenizer; `tandem train`
 runs --steps GRPO steps colocated, once with --routing_replay and once without; prints each run's
@@ -15,6 +16,7 @@ very weights trained: numerics alone, which replay removes the routing part of).
 
     python bench/moe.py                       # both parts (~6 min on an H200)
     python bench/moe.py --parts generate --hf_sequences 16
+    python bench/moe.py --smoke --hf_sequences 2 --hf_new_tokens 4 --new_tokens 8 --steps 2 --completion_tokens 8   # CPU, checks the script
 """
 
 from __future__ import annotations
@@ -125,10 +127,11 @@ def bench_generate(args) -> None:
     prompts = [[rng.randrange(1000, 150000) for _ in range(128)] for _ in range(64)]
     requests = [p for p in prompts for _ in range(8)]
     model = build_a3b(args.smoke)
-    print(json.dumps({"model": "qwen3-30b-a3b-shape", "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2)}), flush=True)
-    hf_s = time_generate(model, requests[: args.hf_sequences], args.new_tokens)
-    hf_tps = args.hf_sequences * args.new_tokens / hf_s
-    print(json.dumps({"system": "transformers generate", "sequences": args.hf_sequences, "new_tokens": args.new_tokens, "seconds": round(hf_s, 1), "tokens_per_s": round(hf_tps, 1)}), flush=True)
+    experts = getattr(model.config, "_experts_implementation", None)
+    print(json.dumps({"model": "qwen3-30b-a3b-shape", "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2), "hf_experts": experts}), flush=True)
+    hf_s = time_generate(model, requests[: args.hf_sequences], args.hf_new_tokens)
+    hf_tps = args.hf_sequences * args.hf_new_tokens / hf_s
+    print(json.dumps({"system": "transformers generate", "sequences": args.hf_sequences, "new_tokens": args.hf_new_tokens, "seconds": round(hf_s, 1), "tokens_per_s": round(hf_tps, 1)}), flush=True)
     ours_s, stats = time_engine(model, requests, args.new_tokens)
     ours_tps = len(requests) * args.new_tokens / ours_s
     print(json.dumps({"system": "ours", "sequences": len(requests), "new_tokens": args.new_tokens, "seconds": round(ours_s, 1), "tokens_per_s": round(ours_tps, 1), **stats}), flush=True)
@@ -188,7 +191,8 @@ def bench_train(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="generate,train")
-    parser.add_argument("--hf_sequences", type=int, default=32, help="sequences transformers generate decodes (its share of the time)")
+    parser.add_argument("--hf_sequences", type=int, default=64, help="sequences transformers generate decodes, in one batch")
+    parser.add_argument("--hf_new_tokens", type=int, default=256, help="tokens transformers generate decodes (its share of the time)")
     parser.add_argument("--new_tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--completion_tokens", type=int, default=256)

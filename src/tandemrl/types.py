@@ -120,6 +120,9 @@ def route_itemsize(num_experts: int) -> int:
     return 1 if num_experts <= 256 else 2
 
 
+NO_FLOOR = float("-inf")  # a token the sampler chose from the whole (tempered) vocabulary
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Completion:
     """One generate() output. Written by a Generator only; never re-tokenized downstream."""
@@ -132,10 +135,15 @@ class Completion:
     # [T, sparse layers, experts per token] expert ids (uint8, or int16 little-endian past 256 experts) of
     # the forward that sampled each token, when the generator records routes (--routing_replay)
     routes: bytes | None = None
+    # [T] the lowest tempered logit (logit / temperature) the sampler kept for each token under top-k,
+    # top-p and min-p: the trainer keeps the same tokens and renormalises over them, so its logprobs are
+    # of the distribution sampled from. None when nothing was filtered (plain temperature, greedy).
+    logit_floors: list[float] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs) == len(self.policy_versions)
         assert self.top_logprobs is None or len(self.top_logprobs) == len(self.token_ids)
+        assert self.logit_floors is None or len(self.logit_floors) == len(self.token_ids)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,6 +171,7 @@ class TokenTrace:
     logprobs: list[float] = field(default_factory=list)  # [L], 0.0 where loss_mask is False
     policy_versions: list[int] = field(default_factory=list)  # [L], -1 where loss_mask is False
     routes: list[tuple[int, bytes]] = field(default_factory=list)  # (trace index of its first token, Completion.routes) per routed completion
+    logit_floors: list[float] = field(default_factory=list)  # [L] Completion.logit_floors, -inf where nothing was filtered
 
     def append_sampled(self, completion: Completion) -> None:
         if completion.routes is not None:
@@ -171,12 +180,14 @@ class TokenTrace:
         self.loss_mask += [True] * len(completion.token_ids)
         self.logprobs += completion.logprobs
         self.policy_versions += completion.policy_versions
+        self.logit_floors += completion.logit_floors or [NO_FLOOR] * len(completion.token_ids)
 
     def append_context(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
         self.loss_mask += [False] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
         self.policy_versions += [-1] * len(token_ids)
+        self.logit_floors += [NO_FLOOR] * len(token_ids)
 
     @property
     def num_sampled(self) -> int:

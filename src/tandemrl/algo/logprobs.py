@@ -8,7 +8,9 @@ them into the gradient of the logits, and multiplies it into the gradients of th
 the head's weight. Matmuls run in the weight's dtype (bf16 on the GPU path); logits, softmax and the
 weight's gradient accumulate in float32. On CUDA with --triton_logprobs, a chunk's row statistics and its
 logits' gradient are single-pass Triton kernels over the raw logits (algo/logprobs_kernel.py); the torch
-path (compiled on CUDA) is the reference and the CPU path.
+path (compiled on CUDA) is the reference and the CPU path. Given the sampler's logit floors (top-k, top-p,
+min-p: generation/engine/layers/sampler.py), a row keeps only the tokens the sampler kept and renormalises
+over them, so a token is scored under the truncated distribution it was drawn from (ratio 1 at lag 0).
 """
 
 from __future__ import annotations
@@ -58,9 +60,27 @@ def _baddbmm_accumulates() -> bool:
         return False
 
 
-def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V]."""
-    logits = _mm_f32(hidden, weight.t())  # [C, V]
+EXCLUDED = -1e20
+"""The logit of a token the sampler excluded: finite, so 0 x logit stays 0 in entropy and gradients
+(an -inf would make them NaN), and exp of it is 0 at every temperature."""
+
+
+def truncated(logits: Tensor, floors: Tensor | None, target_ids: Tensor, temperature: float) -> Tensor:
+    """Logits [C, V] (before the temperature) with the tokens below each row's floor (tempered units,
+    floors [C]) set to EXCLUDED; the target always stays. None or -inf floors keep everything.
+
+    Example: logits [[3, 1, 2]], floors [1.5], target [0], temperature 1 -> [[3, -1e20, 2]]
+    """
+    if floors is None:
+        return logits
+    keep = logits >= (floors * temperature)[:, None]  # [C, V]; the floor lies halfway to the excluded, past numerics
+    keep.scatter_(-1, target_ids[:, None], True)
+    return logits.masked_fill(~keep, EXCLUDED)
+
+
+def _logits(hidden: Tensor, weight: Tensor, temperature: float, floors: Tensor | None = None, target_ids: Tensor | None = None) -> Tensor:
+    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V], truncated at `floors` when given."""
+    logits = truncated(_mm_f32(hidden, weight.t()), floors, target_ids, temperature)  # [C, V]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -150,49 +170,52 @@ def _capped(rows: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tenso
 
 
 def _chunk_stats(hidden: Tensor, softcap: float = 0.0):
-    """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy) -> (lse, logprobs, entropy) [C]."""
+    """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy, floors [C] | None) -> (lse, logprobs, entropy) [C]."""
     if softcap:  # the capped logits, then the torch path's statistics
-        def capped(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
-            logits = _capped(rows, weight, softcap)[0]
+        def capped(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
+            logits = truncated(_capped(rows, weight, softcap)[0], floors, target_ids, temperature)
             return _row_stats(logits / temperature if temperature != 1.0 else logits, target_ids, with_entropy)
 
         return capped
     if _use_triton(hidden):
         from tandemrl.algo.logprobs_kernel import row_stats
 
-        def kernel(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
-            return row_stats(_mm_f32(rows, weight.t()), target_ids, temperature, with_entropy)
+        def kernel(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
+            return row_stats(truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature), target_ids, temperature, with_entropy)
 
         return kernel
     stats = _maybe_compiled(_row_stats, hidden)
 
-    def torch_path(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool):
-        return stats(_logits(rows, weight, temperature), target_ids, with_entropy)
+    def torch_path(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
+        return stats(_logits(rows, weight, temperature, floors, target_ids), target_ids, with_entropy)
 
     return torch_path
 
 
 def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0):
-    """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature) ->
-    the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`)."""
+    """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature, floors) ->
+    the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`; an excluded
+    token's is 0, as its probability)."""
     if softcap:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh^2
-        def capped(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
+        def capped(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
             logits, squashed = _capped(rows, weight, softcap)
-            grad = _logits_grad(logits / temperature if temperature != 1.0 else logits, *per_row, temperature, torch.float32)
+            logits = truncated(logits, floors, target_ids, temperature)
+            grad = _logits_grad(logits / temperature if temperature != 1.0 else logits, lse, target_ids, *per_row, temperature, torch.float32)
             return (grad * (1 - squashed * squashed)).to(weight.dtype)
 
         return capped
     if _use_triton(hidden):
         from tandemrl.algo.logprobs_kernel import logits_grad
 
-        def kernel(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
-            return logits_grad(_mm_f32(rows, weight.t()), *per_row, temperature, weight.dtype)
+        def kernel(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
+            logits = truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature)
+            return logits_grad(logits, lse, target_ids, *per_row, temperature, weight.dtype)
 
         return kernel
     grad_fn = _maybe_compiled(_logits_grad, hidden)
 
-    def torch_path(rows: Tensor, weight: Tensor, *per_row: Tensor, temperature: float) -> Tensor:
-        return grad_fn(_logits(rows, weight, temperature), *per_row, temperature, weight.dtype)
+    def torch_path(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
+        return grad_fn(_logits(rows, weight, temperature, floors, target_ids), lse, target_ids, *per_row, temperature, weight.dtype)
 
     return torch_path
 
@@ -201,13 +224,14 @@ class _LinearLogprobs(torch.autograd.Function):
     """logprobs [N] and entropy [N] of target_ids under softmax(hidden @ weight^T / T)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0):  # noqa: ANN001
+    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0, floors=None):  # noqa: ANN001
         logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
         stats = _chunk_stats(hidden, softcap)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy)
-        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy)
+            chunk_floors = None if floors is None else floors[rows]
+            lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy, chunk_floors)
+        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy, floors)
         ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -215,7 +239,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
-        hidden, weight, target_ids, lse, entropy = ctx.saved_tensors
+        hidden, weight, target_ids, lse, entropy, floors = ctx.saved_tensors
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
         if grad_entropy is None:
@@ -227,13 +251,13 @@ class _LinearLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             grad = logits_grad(
                 hidden[rows], weight, lse[rows], target_ids[rows], grad_logprobs[rows].float(), entropy[rows],
-                grad_entropy[rows].float(), temperature=ctx.temperature,
+                grad_entropy[rows].float(), temperature=ctx.temperature, floors=None if floors is None else floors[rows],
             )  # [C, V] in the weight's dtype
             if grad_hidden is not None:
                 torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]
             if grad_weight is not None:  # [V, H], float32 across chunks
                 _add_mm_f32(grad_weight, grad.t(), hidden[rows], in_matmul=_use_triton(hidden))
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -245,8 +269,10 @@ def logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
     softcap: float = 0.0,
+    floors: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Logprob of each target token under softmax(lm_head(hidden) / temperature), and its entropy.
+    """Logprob of each target token under softmax(lm_head(hidden) / temperature), and its entropy; with
+    `floors` [N] (the sampler's, tempered units) under the softmax over the tokens the sampler kept.
 
     hidden [N, H], target_ids [N] -> logprobs [N] float32, entropy [N] float32 (zeros unless
     with_entropy; both carry gradients, so an entropy bonus can train). Dividing by the sampling temperature scores tokens under the
@@ -263,4 +289,4 @@ def logprobs_and_entropy(
     weight = lm_head.weight  # [V, H]
     if hidden.dtype != weight.dtype:  # under autocast the decoder may hand over another dtype than the head's
         hidden = hidden.to(weight.dtype)
-    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy, float(softcap))
+    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy, float(softcap), floors)

@@ -95,7 +95,7 @@ class HFGenerator:
             stop_strings=list(params.stop) or None,
             return_dict_in_generate=True,
             output_scores=True,
-            output_logits=params.top_logprobs > 0,
+            output_logits=params.top_logprobs > 0 or (sample and params.filters),
             **self.config.generation_kwargs,
         )
         seeded = params.seed is not None
@@ -111,12 +111,18 @@ class HFGenerator:
             self.model.train(was_training)
             version = self.version
         new_ids = out.sequences[:, width:]  # [B, T]
-        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new_ids[..., None])[..., 0]  # [B, T]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] tempered and filtered: -inf where excluded
+        logprobs = scores.log_softmax(-1).gather(-1, new_ids[..., None])[..., 0]  # [B, T]
+        floors = _floors(scores, torch.stack(out.logits, dim=1).float() / params.temperature) if sample and params.filters else [None] * len(new_ids)
         tops = _top_logprobs(out.logits, params.top_logprobs) if params.top_logprobs else [None] * len(new_ids)
-        return [self._completion(row.tolist(), lp.tolist(), params, eos_ids, version, top) for row, lp, top in zip(new_ids, logprobs, tops)]
+        return [
+            self._completion(row.tolist(), lp.tolist(), params, eos_ids, version, top, floor)
+            for row, lp, top, floor in zip(new_ids, logprobs, tops, floors)
+        ]
 
     def _completion(
-        self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int, top: list[dict[int, float]] | None
+        self, ids: list[int], logprobs: list[float], params: SamplingParams, eos_ids: list[int], version: int, top: list[dict[int, float]] | None,
+        floors: list[float] | None = None,
     ) -> Completion:
         length, reason = len(ids), "length"
         for i, token_id in enumerate(ids):
@@ -125,7 +131,7 @@ class HFGenerator:
                 break
         return Completion(
             token_ids=ids[:length], logprobs=logprobs[:length], finish_reason=reason, policy_versions=[version] * length,
-            top_logprobs=None if top is None else top[:length],
+            top_logprobs=None if top is None else top[:length], logit_floors=None if floors is None else floors[:length],
         )
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
@@ -166,3 +172,11 @@ def _top_logprobs(logits: tuple[torch.Tensor, ...], k: int) -> list[list[dict[in
     top = torch.stack(logits, dim=1).float().log_softmax(-1).topk(k, dim=-1)  # [B, T, k]
     return [[dict(zip(i, v)) for i, v in zip(ids, values)] for ids, values in zip(top.indices.tolist(), top.values.tolist())]
 
+
+def _floors(scores: torch.Tensor, tempered: torch.Tensor) -> list[list[float]]:
+    """Completion.logit_floors of each row [B, T]: halfway between the lowest kept score and the highest
+    excluded tempered logit (as the engine's sampler.logit_floors); -inf where nothing was excluded."""
+    excluded = scores == float("-inf")  # [B, T, V]
+    kept_min = scores.masked_fill(excluded, float("inf")).amin(-1)
+    excluded_max = tempered.masked_fill(~excluded, float("-inf")).amax(-1)
+    return torch.where(excluded_max > float("-inf"), (kept_min + excluded_max) / 2, float("-inf")).tolist()

@@ -221,6 +221,7 @@ class RolloutService:
         return Result(
             request_id=request_id, token_ids=c.token_ids, logprobs=c.logprobs, policy_versions=c.policy_versions,
             top_logprobs=c.top_logprobs, finish_reason=c.finish_reason, routes=None if c.routes is None else base64.b64encode(c.routes).decode(),
+            logit_floors=c.logit_floors,
         )  # fmt: skip
 
     async def expire_results(self) -> None:

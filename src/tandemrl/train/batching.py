@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from tandemrl.train.moe import RouteLayout, packed_routes
-from tandemrl.types import TokenTrace
+from tandemrl.types import NO_FLOOR, TokenTrace
 
 
 @dataclass(kw_only=True)
@@ -46,6 +46,7 @@ class PackedBatch:
     num_sequences: int
     num_trained_tokens: int  # T
     routes: Tensor | None = None  # [N, M, k] long, the experts that sampled each target (-1: none), when traces carry routes
+    logit_floors: Tensor | None = None  # [N] float32, the sampler's lowest kept tempered logit per target (-inf: none), when one filtered
 
 
 def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -103,6 +104,10 @@ def pack(
     trained = np.flatnonzero(mask)  # [T]
     on_device = functools.partial(_to_device, device=torch.device(device) if device is not None else None)
     behaviour = on_device(column("logprobs", np.float32, 0.0), np.float32)  # [N]
+    floors = None
+    if any(t.logit_floors and t.logit_floors.count(NO_FLOOR) != len(t.logit_floors) for t in traces):  # a filtering sampler's
+        values = itertools.chain.from_iterable(t.logit_floors if len(t.logit_floors) == len(t.token_ids) else [NO_FLOOR] * len(t.token_ids) for t in traces)
+        floors = on_device(_shifted(np.fromiter(values, dtype=np.float32, count=num_tokens), ends, NO_FLOOR), np.float32)  # [N]
     routes = None
     if route_layout is not None and any(t.routes for t in traces):
         routes = on_device(packed_routes(traces, ends - lengths, num_tokens, route_layout), np.int64)  # [N, M, k]
@@ -122,7 +127,16 @@ def pack(
         num_sequences=len(traces),
         num_trained_tokens=len(trained),
         routes=routes,
+        logit_floors=floors,
     )
+
+
+def _shifted(values: np.ndarray, ends: np.ndarray, fill: float) -> np.ndarray:
+    """Per-token values shifted left by one within each trace (what position j predicts), `fill` at each last."""
+    shifted = np.empty_like(values)
+    shifted[:-1] = values[1:]
+    shifted[ends - 1] = fill
+    return shifted
 
 
 def _to_device(array: np.ndarray, dtype: type, device: torch.device | None) -> Tensor:

@@ -45,6 +45,29 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(temperature):
     torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
 
 
+def test_floors_score_under_the_truncated_softmax_in_value_gradient_and_entropy():
+    """With the sampler's logit floors a row is the softmax over the tokens at or above its floor (the target
+    always among them): value, entropy and both gradients equal autograd of the masked full logits."""
+    hidden, head, target_ids = _case()
+    temperature = 0.7
+    logits = (head(hidden).float() / temperature).detach()  # [N, V]
+    floors = logits.sort(-1, descending=True).values[:, 9] - 1e-3  # ten tokens kept per row
+    floors[::3] = float("-inf")  # and some rows filter nothing
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8, floors=floors)
+    ((logprobs + entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    full = head(hidden).float() / temperature
+    kept = (full >= floors[:, None]).scatter(-1, target_ids[:, None], True)
+    ref = full.masked_fill(~kept, float("-inf")).log_softmax(-1)
+    ref_logprobs = ref.gather(-1, target_ids[:, None]).squeeze(-1)
+    ref_entropy = -(ref.exp() * ref.masked_fill(~kept, 0.0)).sum(-1)
+    ((ref_logprobs + ref_entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    torch.testing.assert_close((logprobs, entropy), (ref_logprobs, ref_entropy), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+    assert (logprobs - _plain(hidden, head, target_ids, temperature)[0]).abs().max() > 0.1  # truncation changed them
+
+
 def _saved_shapes(fn) -> list[tuple[int, ...]]:
     """Shapes of the tensors autograd saves for backward while `fn` runs."""
     shapes = []

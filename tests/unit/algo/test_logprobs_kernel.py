@@ -60,8 +60,10 @@ def test_logits_grad_kernel_equals_the_torch_path(dtype):
     torch.testing.assert_close(ours, reference, **tolerance)
 
 
-def test_head_through_the_kernels_equals_the_torch_head_in_value_and_gradient(monkeypatch):
-    """logprobs_and_entropy end to end (forward, backward of logprobs and entropy, several chunks)."""
+@pytest.mark.parametrize("truncated", [False, True])
+def test_head_through_the_kernels_equals_the_torch_head_in_value_and_gradient(monkeypatch, truncated):
+    """logprobs_and_entropy end to end (forward, backward of logprobs and entropy, several chunks); truncated:
+    under the sampler's logit floors (top-k/top-p/min-p), excluded tokens as the torch path excludes them."""
     generator = torch.Generator().manual_seed(2)
     lm_head = torch.nn.Linear(16, 5000, bias=False).to(DEVICE)
     with torch.no_grad():
@@ -73,7 +75,11 @@ def test_head_through_the_kernels_equals_the_torch_head_in_value_and_gradient(mo
     for triton in (False, True):
         monkeypatch.setattr(head, "_use_triton", lambda tensor, on=triton: on)
         monkeypatch.setattr(head, "_COMPILE", [False])
-        logprobs, entropy = head.logprobs_and_entropy(hidden, lm_head, target_ids, temperature=0.8, chunk_size=4)
+        floors = None
+        if truncated:  # about 100 tokens kept per row, every third row unfiltered
+            floors = (lm_head(hidden).float() / 0.8).detach().sort(-1, descending=True).values[:, 100]
+            floors[::3] = float("-inf")
+        logprobs, entropy = head.logprobs_and_entropy(hidden, lm_head, target_ids, temperature=0.8, chunk_size=4, floors=floors)
         (coefficients * logprobs + 0.1 * entropy).sum().backward()
         results.append((logprobs.detach(), entropy.detach(), hidden.grad, lm_head.weight.grad))
         hidden.grad, lm_head.weight.grad = None, None

@@ -474,7 +474,9 @@ class Engine:
         start = time.perf_counter()
         times = self.runner.times
         live = [seq.status is not Status.FINISHED for seq in batch.seqs]  # rows postprocess keeps
-        finished = self.scheduler.postprocess(batch, token_ids, logprobs, version, self.runner.top_logprobs(launched), self.runner.routes(launched))
+        finished = self.scheduler.postprocess(
+            batch, token_ids, logprobs, version, self.runner.top_logprobs(launched), self.runner.routes(launched), self.runner.floors(launched)
+        )
         if self._streaming:  # before the completions: a stream sees every token, then the end
             for seq, token_id, kept in zip(batch.seqs, token_ids, live):
                 if kept and seq.on_token is not None:

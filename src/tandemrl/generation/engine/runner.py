@@ -107,6 +107,7 @@ class Launched:
     prepare_s: float
     top: tuple[Tensor, Tensor] | None = None  # ([B, K] ids, [B, K] logprobs) when a sequence asked for top logprobs
     routes: Tensor | None = None  # [B, M, k] each row's experts per sparse layer (host), when recording routes
+    floors: Tensor | None = None  # [B] each row's lowest kept tempered logit (sampler.logit_floors), when a row filters
 
 
 class ModelRunner:
@@ -147,6 +148,7 @@ class ModelRunner:
         if self.is_cuda:  # sampled ids and logprobs land here, both in one wait
             self._host_ids = torch.empty(2, self.graph_sizes[-1], dtype=torch.int64, pin_memory=True)
             self._host_logprobs = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
+            self._host_floors = torch.empty(2, self.graph_sizes[-1], dtype=torch.float32, pin_memory=True)
             # start, sampled, on host, and a prefill's forward launched (after its host-built inputs)
             self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(2)]
         self.record_routes = record_routes
@@ -214,9 +216,9 @@ class ModelRunner:
             self.state.invalidate()  # the decode batch changes after a prefill: rebuilt at the next decode
             self._penalised = None
             logits, sampling = self._prefill(batch, slot)
-            token_ids, logprobs = self._sample(logits, sampling)
+            token_ids, logprobs, floors = self._sample(logits, sampling)
         else:
-            token_ids, logprobs, logits = self._decode(batch.seqs)
+            token_ids, logprobs, logits, floors = self._decode(batch.seqs)
         num_top = max(s.params.top_logprobs for s in batch.seqs)
         top = logits[: len(batch.seqs)].float().log_softmax(-1).topk(num_top, dim=-1) if num_top else None
         routes = self._step_routes(batch) if self.record_routes else None  # [B, M, k]
@@ -225,13 +227,15 @@ class ModelRunner:
             host_ids, host_logprobs = self._host_ids[slot, : len(token_ids)], self._host_logprobs[slot, : len(token_ids)]
             host_ids.copy_(token_ids, non_blocking=True)
             host_logprobs.copy_(logprobs, non_blocking=True)
+            if floors is not None:
+                floors = self._host_floors[slot, : len(floors)].copy_(floors, non_blocking=True)
             if routes is not None:
                 routes = self._host_routes[slot, : len(routes)].copy_(routes, non_blocking=True)
             self._events[slot][2].record()
             token_ids, logprobs = host_ids, host_logprobs
         prepare = time.perf_counter() - start
         self.times.prepare_s += prepare
-        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare, None if top is None else (top.indices, top.values), routes)
+        return Launched(token_ids, logprobs, slot, batch.is_prefill, prepare, None if top is None else (top.indices, top.values), routes, floors)
 
     def _step_routes(self, batch: ScheduledBatch) -> Tensor:
         """[B, M, k] the experts of the forward row each sequence sampled from: its last token's (a prefill)
@@ -330,6 +334,11 @@ class ModelRunner:
     def _to_device(self, tensors: list[Tensor]) -> list[Tensor]:
         return to_device_packed(tensors, self.device, pin_memory=True) if self.is_cuda else tensors
 
+    def floors(self, launched: Launched) -> list[float] | None:
+        """Per row, the lowest tempered logit its filters kept (-inf: none filtered); None when no row
+        filters. Read after `wait`."""
+        return None if launched.floors is None else launched.floors.tolist()
+
     def top_logprobs(self, launched: Launched) -> list[dict[int, float]] | None:
         """Per row, the most likely tokens of the model's own distribution (before temperature and
         filters, as vLLM reports them) and their logprobs, best first; None when no row asked."""
@@ -338,21 +347,21 @@ class ModelRunner:
         ids, values = (t.tolist() for t in launched.top)
         return [dict(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor, Tensor]:
+    def _decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         batch, state = len(seqs), self.state
         graph_size = next((g for g in self.graph_sizes if g >= batch), None) if self.use_graphs else None
         state.load(seqs, graph_size or batch)
         penalty = self._decode_penalty(seqs, graph_size or batch)
         if graph_size is None:
-            token_ids, logprobs, logits, _ = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
+            token_ids, logprobs, logits, _, floors = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
         else:
-            graph, (token_ids, logprobs, logits, sampling) = self.graphs[graph_size]
+            graph, (token_ids, logprobs, logits, sampling, floors) = self.graphs[graph_size]
             graph.replay()
             if state.needs_filter or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
-                token_ids, logprobs = sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
+                token_ids, logprobs, floors = sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
-        return token_ids[:batch], logprobs[:batch], logits[:batch]
+        return token_ids[:batch], logprobs[:batch], logits[:batch], None if floors is None else floors[:batch]
 
     def _decode_penalty(self, seqs: list[Sequence], rows: int) -> RepetitionPenalty | None:
         """The decode batch's repetition penalty (None when no row has one). Built from the host's token
@@ -374,16 +383,16 @@ class ModelRunner:
 
     def _decode_step(
         self, rows: int, *, needs_filter: bool, penalty: RepetitionPenalty | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, SamplingTensors]:
+    ) -> tuple[Tensor, Tensor, Tensor, SamplingTensors, Tensor | None]:
         """One decode step of state rows [0, rows), all on the device (this is what a graph captures):
         forward, sample, and advance the state to the next step's inputs."""
         state = self.state
         meta = state.metadata(rows, self.block_size, gather=not self.is_cuda)
         logits = self.model.compute_logits(self.model(state.input_ids[:rows], state.positions[:rows], meta))  # [rows, V]
         sampling = replace(state.sampling(rows, needs_filter=needs_filter), penalty=penalty)
-        token_ids, logprobs = self._sample(logits, sampling)
+        token_ids, logprobs, floors = self._sample(logits, sampling)
         state.advance(rows, token_ids)
-        return token_ids, logprobs, logits, sampling
+        return token_ids, logprobs, logits, sampling, floors
 
     # --- CUDA graphs ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -412,9 +421,10 @@ class ModelRunner:
             temperatures=temperatures, top_k=torch.tensor(top_k), top_p=top_p, min_p=min_p, keys=keys, needs_filter=needs_filter, penalty=penalty
         )  # fmt: skip
 
-    def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor]:
+    def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(token_ids, logprobs, floors) [B]: what every sampling path returns (floors None when no row filters)."""
         if self.is_cuda and not sampling.needs_filter and sampling.penalty is None:
             from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 
-            return sample_unfiltered(logits, sampling.temperatures, sampling.keys)
+            return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)
         return sample(logits, sampling)

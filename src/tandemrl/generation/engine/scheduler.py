@@ -202,10 +202,10 @@ class Scheduler:
 
     def postprocess(
         self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float], version: int, top: list[dict[int, float]] | None = None,
-        routes: list[bytes] | None = None,
+        routes: list[bytes] | None = None, floors: list[float] | None = None,
     ) -> list[Sequence]:
         """Appends each sampled token (and its row of `top` alternatives to a sequence that asked for
-        them, its row of `routes` when recorded); returns the sequences that finished (their blocks are
+        them, its row of `routes` when recorded, its logit floor when it filters); returns the sequences that finished (their blocks are
         freed). A row of a sequence that finished before (a look-ahead step, an abort) is dropped."""
         finished = []
         for i, (seq, token_id, logprob) in enumerate(zip(batch.seqs, token_ids, logprobs)):
@@ -216,6 +216,8 @@ class Scheduler:
             if top is not None and seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(top[i].items())[: seq.params.top_logprobs]))
             seq.policy_versions.append(version)
+            if floors is not None and seq.params.filters and not seq.params.greedy:
+                seq.logit_floors.append(floors[i])
             if routes is not None:
                 if seq.routes is None:
                     seq.routes = bytearray()

@@ -48,6 +48,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # [T]
     policy_versions: list[int] = field(default_factory=list)  # [T]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # [T] when params.top_logprobs > 0
+    logit_floors: list[float] = field(default_factory=list)  # [T] when params filter (Completion.logit_floors)
     routes: bytearray | None = None  # [T, sparse layers, k] experts, when the engine records routes (Completion.routes)
     finish_reason: FinishReason | None = None
     num_failed_steps: int = 0  # steps that raised with this sequence in them
@@ -78,4 +79,5 @@ class Sequence:
             policy_versions=list(self.policy_versions),
             top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
             routes=bytes(self.routes) if self.routes is not None else None,
+            logit_floors=list(self.logit_floors) if self.logit_floors else None,
         )

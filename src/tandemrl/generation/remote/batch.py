@@ -187,7 +187,7 @@ def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any
     future.set_result(Completion(
         token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"],
         top_logprobs=None if top is None else [{int(i): v for i, v in row.items()} for row in top],
-        routes=None if routes is None else base64.b64decode(routes),
+        routes=None if routes is None else base64.b64decode(routes), logit_floors=result.get("logit_floors"),
     ))  # fmt: skip
 
 

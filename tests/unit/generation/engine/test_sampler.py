@@ -30,7 +30,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_samples_follow_the_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
     n = 20000
-    tokens, _ = sample(logits.expand(n, -1), tensors(n, temperature=0.8, vocab=8))
+    tokens, _, _ = sample(logits.expand(n, -1), tensors(n, temperature=0.8, vocab=8))
     counts = torch.bincount(tokens, minlength=8).float()
     # 7 degrees of freedom: P(chi2 > 24.3) = 0.001
     assert chi_square(counts, (logits / 0.8).softmax(-1)) < 24.3
@@ -39,10 +39,10 @@ def test_samples_follow_the_softmax():
 def test_top_k_and_top_p_never_emit_excluded_tokens_and_renormalise():
     logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
     n = 5000
-    top_k, _ = sample(logits.expand(n, -1), tensors(n, top_k=3, vocab=8))
+    top_k, _, _ = sample(logits.expand(n, -1), tensors(n, top_k=3, vocab=8))
     assert set(top_k.tolist()) <= {0, 1, 2}
     probs = logits.softmax(-1)  # [0.43, 0.26, 0.16, 0.06, ...]: top_p 0.8 keeps the first 3
-    top_p, logprobs = sample(logits.expand(n, -1), tensors(n, top_p=0.8, vocab=8))
+    top_p, logprobs, _ = sample(logits.expand(n, -1), tensors(n, top_p=0.8, vocab=8))
     assert set(top_p.tolist()) == {0, 1, 2}
     kept = probs[:3] / probs[:3].sum()
     assert torch.allclose(logprobs, kept.log()[top_p], atol=1e-5)
@@ -51,7 +51,7 @@ def test_top_k_and_top_p_never_emit_excluded_tokens_and_renormalise():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     logits = torch.tensor([2.0, 1.9, 0.0, -1.0])  # probs ~ [0.48, 0.44, 0.06, 0.02]
-    tokens, logprobs = sample(logits.expand(3000, -1), tensors(3000, min_p=0.2, vocab=4))
+    tokens, logprobs, _ = sample(logits.expand(3000, -1), tensors(3000, min_p=0.2, vocab=4))
     assert set(tokens.tolist()) == {0, 1}
     kept = logits[:2].softmax(-1)
     assert torch.allclose(logprobs, kept.log()[tokens], atol=1e-5)
@@ -69,7 +69,7 @@ def test_filters_compose_in_transformers_order():
 
 def test_greedy_rows_take_the_argmax_and_report_raw_log_softmax():
     logits = torch.randn(5, 30)
-    tokens, logprobs = sample(logits, tensors(5, temperature=0.0, vocab=30))
+    tokens, logprobs, _ = sample(logits, tensors(5, temperature=0.0, vocab=30))
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.allclose(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0])
 
@@ -99,7 +99,7 @@ def test_a_penalised_row_samples_and_reports_the_penalised_distribution():
     t = tensors(1, temperature=0.0, vocab=4)
     assert sample(logits, t)[0].item() == 0
     t.penalty = repetition_penalty([[0]], [1.5], 4, torch.device("cpu"))
-    token_ids, logprobs = sample(logits, t)
+    token_ids, logprobs, _ = sample(logits, t)
     assert token_ids.item() == 1  # 3.0 / 1.5 = 2.0 < 2.9
     expected = torch.tensor([[2.0, 2.9, -1.0, -1.0]]).log_softmax(-1)[0, 1]
     assert torch.allclose(logprobs, expected[None])

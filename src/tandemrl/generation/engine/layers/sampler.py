@@ -10,7 +10,11 @@ kernel (sampler_kernel.py), so the CPU and GPU paths draw the same noise.
 
 Order (as transformers applies them): repetition penalty, temperature, top-k, top-p, min-p. The
 reported logprob is log_softmax of the penalised, filtered, tempered logits; greedy rows (temperature 0)
-report log_softmax of the (penalised) raw logits.
+report log_softmax of the (penalised) raw logits. Each filter keeps a prefix of the sorted logits, so
+the kept set is every token whose tempered logit is above a floor: a filtering row reports the floor
+halfway between its lowest kept and highest excluded tempered logit (-inf for a row that filters nothing),
+so the trainer, whose logits differ by numerics, keeps the same tokens and renormalises over them
+(algo/logprobs.py): its ratio at lag 0 is 1 under top-k, top-p and min-p too.
 """
 
 from __future__ import annotations
@@ -127,16 +131,36 @@ def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor]:
-    """Returns (token_ids [B] int64, logprobs [B] float32). The reference path, any device."""
+def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Returns (token_ids [B] int64, logprobs [B] float32, floors [B] float32 or None). The reference path,
+    any device. floors: each row's lowest kept tempered logit, -inf where the row filters nothing (a greedy
+    row too); None when no row filters (`logit_floors`)."""
     logits = logits.float()  # [B, V]
     if t.penalty is not None:
         logits = penalise(logits, t.penalty)
     greedy = t.temperatures == 0
     scaled = logits / torch.where(greedy, 1.0, t.temperatures)[:, None]
+    floors = None
     if t.needs_filter:
-        scaled = torch.where(greedy[:, None], scaled, filter_logits(scaled, t))
+        filtered = filter_logits(scaled, t)
+        floors = logit_floors(scaled, filtered, t, greedy)
+        scaled = torch.where(greedy[:, None], scaled, filtered)
     logprobs = scaled.log_softmax(-1)
     noise = gumbel_noise(t.keys, logits.shape[-1]).masked_fill_(greedy[:, None], 0.0)
     token_ids = (logprobs + noise).argmax(-1)
-    return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]
+    return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0], floors
+
+
+def logit_floors(scaled: Tensor, filtered: Tensor, t: SamplingTensors, greedy: Tensor) -> Tensor:
+    """[B] per row, halfway between the lowest tempered logit it kept and the highest it excluded
+    (`scaled` before the filters, `filtered` after: -inf where excluded); -inf for a row that excludes
+    nothing or is greedy. What a sampler returns per token for the trainer to renormalise by: the kept
+    set is the tokens above it, and halfway leaves the most room for the trainer's numerics.
+
+    Example: scaled [[2, 0, 1]], filtered [[2, -inf, 1]], top_k [2] -> [0.5]
+    """
+    excluded = filtered == float("-inf")  # [B, V]
+    kept_min = filtered.masked_fill(excluded, float("inf")).amin(-1)  # [B]
+    excluded_max = scaled.masked_fill(~excluded, float("-inf")).amax(-1)  # [B], -inf when all kept
+    filters = (t.top_k < filtered.shape[-1]) | (t.top_p < 1.0) | (t.min_p > 0.0)  # [B]
+    return torch.where(filters & ~greedy & (excluded_max > float("-inf")), (kept_min + excluded_max) / 2, float("-inf"))

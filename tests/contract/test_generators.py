@@ -121,6 +121,24 @@ def test_top_logprobs_are_the_models_most_likely_tokens(generator, reference):
     assert run(generator.generate(prompt, GREEDY)).top_logprobs is None
 
 
+def test_a_filtered_tokens_logprob_is_the_reference_softmax_over_the_tokens_above_its_floor(generator, reference):
+    """Every backend (a rollout server's wire too) reports each token's logit floor under top-k/top-p/min-p:
+    its logprob renormalised over the tokens above the floor is the reported one, and none without a filter."""
+    prompt = [5, 17, 42, 8, 99]
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True)
+    completion = run(generator.generate(prompt, params))
+    assert completion.logit_floors is not None and len(completion.logit_floors) == len(completion.token_ids)
+    ids = list(prompt)
+    with torch.no_grad():
+        for token_id, logprob, floor in zip(completion.token_ids, completion.logprobs, completion.logit_floors):
+            tempered = reference(torch.tensor([ids])).logits[0, -1] / 0.8
+            kept = tempered.masked_fill(tempered < floor, float("-inf"))
+            assert tempered[token_id] >= floor and (kept > float("-inf")).sum() <= 20
+            assert abs(logprob - float(kept.log_softmax(-1)[token_id])) < 1e-4
+            ids.append(token_id)
+    assert run(generator.generate(prompt, dataclasses.replace(params, top_k=-1, top_p=1.0))).logit_floors is None
+
+
 def test_stop_token_ends_the_completion_with_it(generator):
     free = run(generator.generate([3, 4, 5], GREEDY))
     stop_id = free.token_ids[3]

@@ -13,12 +13,11 @@ YOUNG_THRESHOLD = 50_000  # inside frozen_heap: container objects the young gene
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """For the block, every object alive now (model, tokenizer, engine, server) is out of the garbage
-    collector's sight: a full collection would rescan them all each time (~400k objects, ~0.2 s). And the
+    collector's sight: a full collection would rescan them all each time (~400k objects). And the
     young generation is collected once it holds YOUNG_THRESHOLD more containers, not 700: a turn boundary of
     512 multi-turn rollouts leaves ~30k alive for a while (next-turn requests, their KV blocks' keys), each
-    700 of them a collection that stops the event loop and the engine (on an H200, bench/multiturn.py: 89
-    collections, 0.125 s of a 1.6 s multi-turn run, 0.024 s of single-turn). Garbage without cycles is
-    freed by reference count either way; cycles wait longer (a few MB at most)."""
+    700 of them a collection that stops the event loop and the engine (bench/multiturn.py's timeline shows
+    them). Garbage without cycles is freed by reference count either way; cycles wait longer."""
     gc.collect()
     gc.freeze()
     thresholds = gc.get_threshold()

@@ -101,7 +101,7 @@ class EngineSettings:
     overlap_prefills: bool = True
     """Launch a prefill step before the last prefill's tokens are read, when more requests wait than one step
     admits (tool rollouts' next turns), as decode steps are on CUDA, so its host work runs while the last one
-    computes (H200, bench/multiturn.py: multi-turn 0.70 of single-turn tokens/s with it, 0.66 without)."""
+    computes (figures: bench/RESULTS.md, bench/multiturn.py)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
     tensor_parallel_size: int = 1

@@ -39,8 +39,8 @@ class TrainerConfig:
     triton_logprobs: bool = True
     """On a GPU with triton installed, the logprob head's per-row statistics (log-sum-exp, logprob, entropy)
     and its logits' gradient run as single-pass Triton kernels instead of the (compiled) torch path, and
-    its weight's float32 gradient accumulates inside the matmul (0.5B train phase on an H200: 1.35 s vs
-    1.55 s). `--no-triton_logprobs` runs the torch path."""
+    its weight's float32 gradient accumulates inside the matmul (faster: bench/RESULTS.md, bench/train.py).
+    `--no-triton_logprobs` runs the torch path."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, more time)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

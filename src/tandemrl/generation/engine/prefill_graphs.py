@@ -3,9 +3,9 @@
 Legend: N rows of the step (padded), B sequences that compute, R = max_num_seqs, M blocks per sequence, E hidden.
 
 An eager prefill launches ~200 kernels from Python, holding the GIL the event loop needs at a multi-turn
-boundary; a replay launches them in one call (H200, 0.5B, 16k new tokens over cached turns: launch host
-time 21.5 -> 5.6 ms, bench/prefill.py). At that size the device's ~24 ms bound the step either way (the
-kernels of an eager launch start while it goes on); smaller prefills, host-bound, gain the most. What varies between steps goes through static device buffers: token ids [N], query and
+boundary; a replay launches them in one call (launch host time: bench/RESULTS.md, bench/prefill.py). A large
+prefill is bound by the device either way (the kernels of an eager launch start while it goes on); smaller
+prefills, host-bound, gain the most. What varies between steps goes through static device buffers: token ids [N], query and
 context lengths [R] (zero queries past the step's B sequences) and block tables [R, M]; positions, cache
 slots and the paged kernel's query tiles are computed inside the graph from them, at fixed shapes (the
 tile grid is sized for R sequences; a padded row sits at position 0 and writes the scratch slot). The

@@ -40,10 +40,9 @@ HOST = torch.device("cpu")
 def padded_num_tokens(num_tokens: int) -> int:
     """The row count a GPU prefill runs its N tokens as: the next power of two up to 256, then the next
     multiple of 256. cuBLAS picks its kernels per matrix shape on the host and caches the choice, and a
-    training step's prefill has an N of its own each time; padded, a run meets a few dozen shapes. Measured
-    (bench/prefill.py, H200, 0.5B, a new N every round): median launch host time 15.6 -> 13.5 ms; a fresh
-    process's first prefills of new shapes took up to ~25 ms more (bench/RESULTS.md). The padding costs at
-    most 255 rows of compute (1.6% of a 16k prefill).
+    training step's prefill has an N of its own each time; padded, a run meets a few dozen shapes, so its
+    launches find their kernels chosen (bench/prefill.py). The padding costs at most 255 rows of compute
+    (1.6% of a 16k prefill).
 
     Example: 5 -> 16, 200 -> 256, 257 -> 512, 16360 -> 16384
     """

@@ -169,9 +169,8 @@ def prefill_attention(
     num_queries is None (a prefill graph's padded rows).
 
     Launch settings: `tile` keys an iteration (64, or 32 for a head dim over 64), `num_warps`, `num_stages`.
-    The defaults were the fastest of 24 settings on an H200 for next turns over cached contexts, prompts
-    and a long prompt, at head dims 64 and 128 (bench/RESULTS.md): 0.31x-0.96x the time of flash attention
-    with the context copied out of the cache first."""
+    The defaults were the fastest of the settings tried for next turns over cached contexts, prompts and a
+    long prompt, at head dims 64 and 128 (figures: bench/RESULTS.md, bench/prefill.py)."""
     num_heads, dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     groups = num_heads // num_kv_heads

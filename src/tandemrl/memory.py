@@ -26,6 +26,7 @@ MAX_MICROBATCH_TOKENS = 16384
 MIN_MICROBATCH_TOKENS = 1024
 ACTIVATION_SHARE = 0.15  # of the budget: past it a larger micro-batch buys no speed, only memory
 PHASES = ("generation", "training", "sync")
+CPU_OPTIMIZER_CHUNK = 1 << 26  # train/cpu_adam.py's CHUNK_NUMEL
 
 
 class MemoryPlanError(ValueError):
@@ -142,12 +143,14 @@ class Setup:
     reference: bool = False  # --beta > 0 without LoRA: a frozen copy of the policy
     num_ranks: int = 1  # FSDP2 shards the masters, gradients and optimizer state over this many
     num_sequences: int = 128  # of one generation round (prompts x generations x steps per round)
+    group_size: int = 8  # sequences sharing a prompt (its prefill is computed once: prefix sharing)
     prompt_tokens: int = 512
     max_model_len: int = 768
     block_size: int = 16
     prefill_tokens: int = 16384  # the engine's --max_num_batched_tokens
     logprob_chunk_size: int = 2048
     levers: Levers = field(default_factory=Levers)  # those the user turned on (the plan may add more)
+    frozen_levers: tuple[str, ...] = ()  # Levers fields the plan may not turn on (e.g. sleep_level under --max_staleness)
     choose_levers: bool = True  # False: exactly `levers` (the plan only sizes)
     microbatch_tokens: int = 0  # 0 = sized by the plan
     kv_tokens: int = 0  # 0 = sized by the plan
@@ -213,7 +216,8 @@ def _candidates(setup: Setup) -> list[Levers]:
     candidates = [forced] if not setup.choose_levers else [forced.union(c) for c in (_LORA if setup.lora_rank else _FULL)]
     if not setup.engine:  # no engine on this GPU: nothing sleeps
         candidates = [dataclasses.replace(c, sleep_level=0) for c in candidates]
-    return list(dict.fromkeys(candidates))
+    candidates = [c for c in candidates if all(getattr(c, name) == getattr(forced, name) for name in setup.frozen_levers)]
+    return list(dict.fromkeys(candidates)) or [forced]
 
 
 def _search(shape: ModelShape, setup: Setup, gpu_bytes: int) -> MemoryPlan | None:
@@ -264,7 +268,7 @@ def _sized(shape: ModelShape, setup: Setup, levers: Levers, gpu_bytes: int, kv_g
 def _engine_kv_tokens(shape: ModelShape, setup: Setup, gpu_bytes: int) -> int:
     """--gpu_memory_utilization's KV cache (its meaning in tandem rollout): the fraction of the whole GPU
     less what is in use when the engine starts (the trainer's weights, the engine's) and its activations."""
-    _, trainer = _trainer_static(shape, setup, Levers())
+    trainer, _ = _trainer_static(shape, setup, Levers())  # AdamW's state is created at the first step, after
     used = sum(trainer.values()) + CONTEXT_BYTES + _engine_weights(shape, setup) + _engine_activations(shape, setup)
     cap = _wanted_kv_tokens(dataclasses.replace(setup, kv_tokens=0))
     return max(0, min(cap, int(gpu_bytes * setup.engine_fraction - used) // shape.kv_bytes_per_token()))
@@ -280,23 +284,26 @@ def residents(shape: ModelShape, setup: Setup, levers: Levers, *, kv_tokens: int
     # the 16-bit gradients of the compute copy grow as backward frees activations: the larger of the two
     backward = max(activations, 2 * trained // setup.num_ranks if setup.mixed and not setup.lora_rank else 0)
     logits = min(setup.logprob_chunk_size, microbatch_tokens) * shape.vocab_size * 4 * 2  # float32 logits and their gradient
-    training = {**model, **optimizer, "activations": backward, "logprob chunk": logits}
-    if levers.cpu_optimizer:
-        training["optimizer staging"] = 2 * 4 * _largest_group(shape, setup)
+    # --cpu_optimizer: two float32 chunks of updates on the GPU (train/cpu_adam.py), allocated once
+    staging = {"optimizer staging": 2 * 4 * min(CPU_OPTIMIZER_CHUNK, trained)} if levers.cpu_optimizer else {}
+    training = {**model, **optimizer, **staging, "activations": backward, "logprob chunk": logits}
     if levers.sleep_level < 2:
         training["engine weights"] = engine_weights
     if levers.sleep_level < 1:
         training["KV cache"] = kv
-    generation = {"engine weights": engine_weights, "KV cache": kv, "engine activations": _engine_activations(shape, setup) if setup.engine else 0}
+    generation = {**staging, "engine weights": engine_weights, "KV cache": kv, "engine activations": _engine_activations(shape, setup) if setup.engine else 0}
     if not levers.offload_model:
         generation.update(model)
     if not levers.offload_optimizer:
         generation.update(optimizer)
-    sync = {**model, "engine weights": engine_weights, "KV cache": kv}
+    sync = {**model, **staging, "engine weights": engine_weights, "KV cache": kv}
     if not levers.offload_optimizer:
         sync.update(optimizer)
-    if setup.lora_rank and setup.engine and not setup.engine_shares_base:  # one adapted weight merged at a time, in float32
-        sync["merge buffer"] = 3 * 4 * max(a * b for a, b in shape.linears().values())
+    if setup.lora_rank and setup.engine and not setup.engine_shares_base:
+        # merged weights stream to the engine, which copies them 64 tensors (~5 layers) a launch; one
+        # adapted weight's float32 delta and sum while it is merged
+        largest = max(a * b for a, b in shape.linears().values())
+        sync["merge buffer"] = 2 * min(shape.num_layers, 64 // 12) * shape.layer_parameters() + 8 * largest
     return {"generation": generation, "training": training, "sync": sync}
 
 
@@ -330,12 +337,9 @@ def _engine_activations(shape: ModelShape, setup: Setup) -> int:
     """One prefill's layer at a time (hidden, residual, qkv, attention output, gate/up and their product)
     and the sampler's float32 logits of a round's sequences."""
     h, q, kv, i = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    tokens = min(setup.prefill_tokens, setup.num_sequences * setup.prompt_tokens)
+    prompts = -(-setup.num_sequences // max(1, setup.group_size))
+    tokens = min(setup.prefill_tokens, prompts * setup.prompt_tokens + setup.num_sequences * setup.block_size)
     return 2 * tokens * (2 * h + 2 * q + 2 * kv + 3 * i) + 4 * 4 * min(setup.num_sequences, 512) * shape.vocab_size
-
-
-def _largest_group(shape: ModelShape, setup: Setup) -> int:
-    return max(shape.layer_parameters(), shape.vocab_size * shape.hidden_size)
 
 
 def _cannot_fit(shape: ModelShape, setup: Setup, levers: Levers, gpu_bytes: int) -> str:
@@ -345,6 +349,8 @@ def _cannot_fit(shape: ModelShape, setup: Setup, levers: Levers, gpu_bytes: int)
     top = sorted(phases[phase].items(), key=lambda kv: -kv[1])[:3]
     largest = ", ".join(f"{name} {n / GiB:.1f}" for name, n in top)
     fixes = []
+    if setup.engine_fraction and _fits(shape, dataclasses.replace(setup, engine_fraction=0.0), gpu_bytes):
+        fixes.append(f"--gpu_memory_utilization 0 (the plan sizes the KV cache; {setup.engine_fraction} of the whole GPU leaves the engine too little)")
     if not setup.lora_rank and _fits(shape, dataclasses.replace(setup, lora_rank=16), gpu_bytes):
         fixes.append("LoRA (--lora_r 16)")
     ranks = next((n for n in (2, 4, 8) if _fits(shape, dataclasses.replace(setup, num_ranks=setup.num_ranks * n), gpu_bytes)), None)

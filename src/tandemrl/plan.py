@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tandemrl.memory import MemoryPlan
 from tandemrl.generation.base import EngineConfig, GeneratorConfig, HFConfig, RemoteConfig
 from tandemrl.pipeline.settings import LoopSettings
 from tandemrl.types import SamplingParams
@@ -49,6 +50,9 @@ class Plan:
     """The RL loop's settings (pipeline/settings.py)."""
     notes: tuple[str, ...] = ()
     """What resolution decided that the user should hear (cli/ prints them as warnings)."""
+    memory: MemoryPlan | None = None
+    """The memory plan of the run on its GPU (memory.py): cli/build.py makes it before anything loads, applies
+    its levers and sizes to the config and resolves it again with them; None on a CPU."""
 
     def with_max_steps(self, max_steps: int) -> Plan:
         """This plan training `max_steps` steps (--num_train_epochs decides them once the data is loaded)."""

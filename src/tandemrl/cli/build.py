@@ -18,6 +18,7 @@ import torch
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
+from tandemrl.cli.plan import gpu_bytes, plan_for, planned_peaks_gib, with_plan
 from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
 from tandemrl.config import TrainConfig
 from tandemrl.data.cursor import PromptCursor
@@ -56,6 +57,10 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     device = dp.device(device)
     run_dir = Path(dp.broadcast(str(_run_dir(config)) if dp.is_main else None))
     checkpoint = _resume_point(config, run_dir)
+    memory = _memory_plan(config, device, dp.world_size)  # before anything loads; None on a CPU
+    if memory is not None:  # its levers and sizes applied, and the run resolved again with them
+        config = with_plan(config, memory)
+        plan = dataclasses.replace(config.resolve(), memory=memory)
     torch.manual_seed(config.run.seed)
     tokenizer, model = _policy(config, checkpoint, device)
     _check_conversation_length(config, model)
@@ -82,7 +87,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     device = next(model.parameters()).device
     if dp.is_main:
         _save_config(config, run_dir)
-        print("\n".join(_banner(config, plan, model, device, run_dir, dp.world_size, generator)), flush=True)
+        print("\n".join(_banner(config, plan, model, device, run_dir, dp.world_size, generator) + (memory.lines() if memory else [])), flush=True)
     parts = LoopParts(
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=plan.sampling,
@@ -93,7 +98,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
         with frozen_heap():
-            settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step))
+            settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step), planned_peaks_gib=planned_peaks_gib(memory))
             asyncio.run(_main(parts, settings, start_step, config, judge_generator))
     except KeyboardInterrupt:
         if dp.is_main:
@@ -106,6 +111,14 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
             _point_latest(run_dir)
         close_data_parallel(dp)
     return run_dir
+
+
+def _memory_plan(config: TrainConfig, device: torch.device, num_ranks: int) -> Any:
+    """The memory plan of this run on its GPU (cli/plan.py), or None on a CPU; a run that cannot fit stops
+    here, in one line, before anything loads."""
+    if device.type != "cuda":
+        return None
+    return plan_for(config, gpu_bytes(device), num_ranks=num_ranks)
 
 
 def _logger(config: TrainConfig, run_dir: Path, start_step: int) -> Any:

@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     """The resolved config and the raw flag values (for logs); `--print_config` is among the flags."""
     parser = ArgumentParser(
         prog="tandem train",
-        usage="tandem train [--config YAML] [--print_config] [--FLAG VALUE ...]",
+        usage="tandem train [--config YAML] [--print_config] [--print_plan [GB]] [--FLAG VALUE ...]",
         description="Train a policy by GRPO-family RL. With no arguments: the embedded default "
         "(a tiny policy built in code learns the synthetic task on a CPU in about a minute).",
         epilog="TRL 1.16's GRPOConfig, ScriptArguments and ModelConfig keys are accepted too, in yaml and as flags "
@@ -56,6 +56,11 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     )
     parser.add_argument("--config", default=None, metavar="YAML", help="YAML file of flag: value defaults (flags override)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved configuration and its plan (what the run builds) as YAML, and exit")
+    parser.add_argument(
+        "--print_plan", nargs="?", const="auto", default=None, metavar="GB",
+        help="print the memory plan (every resident of each phase, the levers it turns on, KV cache and micro-batch) "
+        "for this machine's GPU, or for a GPU of GB gigabytes (e.g. 80), and exit; nothing loads but the model's config",
+    )  # fmt: skip
     notes = recipe_notes()
     for leaf in LEAVES:
         add_config_args(parser, leaf, title=TITLES.get(leaf.__name__), notes=notes, raw=RAW_FLAGS)
@@ -66,7 +71,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     yaml_values = load_yaml(config_path) if config_path else {}
     yaml_values.pop(PLAN_KEY, None)  # --print_config's output is a --config file: the plan is derived, never read
     check_known(yaml_values, list(LEAVES), config_path or "", command="train", also=trl.TRL_KEYS, hints=trl.HINTS)
-    given = {k: _unwrap(v) if k in trl.TRL_KEYS else v for k, v in flags.items() if k != "print_config"}
+    given = {k: _unwrap(v) if k in trl.TRL_KEYS else v for k, v in flags.items() if k not in ("print_config", "print_plan")}
     values = _translated(yaml_values, given)
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     leaves = {name: build_config(leaf, values) for name, leaf in zip(fields, LEAVES)}
@@ -134,6 +139,11 @@ def main(argv: list[str]) -> int:
     plan = config.resolve()
     if flags.get("print_config"):  # the flags (a --config file as is; its plan: key is ignored there) and what they resolve to
         print(dump_yaml({**config.to_dict(), PLAN_KEY: plan.to_dict()}), end="")
+        return 0
+    if flags.get("print_plan"):
+        from tandemrl.cli.plan import print_plan
+
+        print_plan(config, flags["print_plan"])
         return 0
     for note in plan.notes:
         log.warning(note)

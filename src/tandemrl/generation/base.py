@@ -80,12 +80,14 @@ class EngineSettings:
     """The engine's settings: the same flags in `tandem train` (the colocated engine) and `tandem rollout`."""
 
     gpu_memory_utilization: float = 0.0
-    """Fraction of GPU memory the engine may use (weights + KV cache); 0 = 0.4 when it shares the GPU with
-    the trainer (tandem train), 0.9 alone (tandem rollout). The KV cache never takes more than max_num_seqs
+    """Fraction of the whole GPU's memory the engine may use for its weights and KV cache; what is in use
+    when it starts (in tandem train: the trainer's weights) counts against it. tandem rollout: 0 = 0.9.
+    tandem train (colocate): 0 = the memory plan sizes the KV cache (--print_plan shows it); a value keeps
+    the meaning above (the plan then checks the rest fits). The KV cache never takes more than max_num_seqs
     sequences of max_model_len tokens can use."""
-    kv_cache_tokens: int = 65536
-    """KV cache size in tokens on CPU (on GPU it is sized from --gpu_memory_utilization); at most
-    max_num_seqs x max_model_len either way."""
+    kv_cache_tokens: int = 0
+    """KV cache size in tokens; 0 = on CPU 65536, on GPU from --gpu_memory_utilization (tandem rollout) or
+    the memory plan (tandem train); at most max_num_seqs x max_model_len either way."""
     max_model_len: int = 0
     """Longest prompt + completion a request may have; 0 = --max_prompt_length + --max_completion_length in
     tandem train, 4096 in tandem rollout; never past the model's positions."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     producer = Producer(parts, settings, buffer, rounds=rounds)
     await asyncio.to_thread(parts.trainer.offload.optimizer_to_cpu)  # the weights were published: generation comes first
     await asyncio.to_thread(parts.trainer.offload.model_to_cpu)
+    phase_peak_gib(getattr(parts.trainer, "device", None))  # the first generation's peak starts here, not at the load
     producer.start()
     metrics: dict[str, float] = {}
     refill = settings.refills
@@ -91,6 +93,10 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
                 metrics.update(await evaluate(parts, parts.evals, step + 1, seed=settings.seed))
             parts.logger.log(step + 1, metrics)
             parts.progress.update(step + 1, metrics)
+            if settings.planned_peaks_gib and step + 1 in (min(start_step + 2, settings.max_steps), settings.max_steps):
+                line = memory_line(metrics, settings.planned_peaks_gib)  # the second step: the optimizer state exists
+                if line is not None:
+                    log.info("%s", line)
             _maybe_log_completions(parts, settings, step + 1, groups)
             if _should_save(settings, step + 1):
                 parts.progress.phase("save")
@@ -248,6 +254,8 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     the trainer's offloaded state comes back; after training the optimizer state leaves before the engine
     wakes (its KV cache takes the room), and the weights leave once published (level 2 refills from them)."""
     t0 = time.perf_counter()
+    device = getattr(parts.trainer, "device", None)  # (a test's fake trainer has none)
+    peaks = {"memory/generation_peak_gib": phase_peak_gib(device)}  # since the last sync: generation and scoring
     parts.progress.phase("train")
     offload = parts.trainer.offload
     if settings.sleep_level:
@@ -257,6 +265,7 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     train_metrics = await asyncio.to_thread(parts.trainer.train_step, batch) if batch.groups else {}
     await asyncio.to_thread(offload.optimizer_to_cpu)
     t1 = time.perf_counter()
+    peaks["memory/training_peak_gib"] = phase_peak_gib(device)
     if settings.sleep_level:
         await parts.generator.wake()
     parts.progress.phase("sync")
@@ -264,7 +273,32 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
         await publish_policy(parts)
     await asyncio.to_thread(offload.model_to_cpu)
-    return {**train_metrics, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
+    peaks["memory/sync_peak_gib"] = phase_peak_gib(device)
+    memory = {k: v for k, v in peaks.items() if v is not None}
+    return {**train_metrics, **memory, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
+
+
+def phase_peak_gib(device: Any) -> float | None:
+    """The allocator's peak since the last call (torch.cuda.max_memory_allocated, GiB; the engine's thread
+    counts too), then reset; None off CUDA."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def memory_line(metrics: dict[str, float], planned: dict[str, float]) -> str | None:
+    """The measured peak of each phase beside the plan's.
+
+    Example: {"memory/training_peak_gib": 90.0}, {"training": 100.0} -> "memory: training peak 90.0 GiB, plan 100.0 (-10%)"
+    """
+    parts = []
+    for phase, plan in planned.items():
+        measured = metrics.get(f"memory/{phase}_peak_gib")
+        if measured is not None and plan > 0:
+            parts.append(f"{phase} peak {measured:.1f} GiB, plan {plan:.1f} ({100 * (measured / plan - 1):+.0f}%)")
+    return "memory: " + "; ".join(parts) if parts else None
 
 
 async def publish_policy(parts: LoopParts) -> None:

@@ -27,6 +27,7 @@ class LoopSettings:
     steps_per_generation: int = 1
     logprob_mismatch_warning: float = 0.0
     save_merged: bool = False  # LoRA: checkpoints hold the merged model too
+    planned_peaks_gib: dict[str, float] | None = None  # the memory plan's peak of each phase (memory.py), logged beside the measured
     num_tokens_seen: int = 0  # TRL's num_tokens (prompt + completion tokens trained on) before the first step: a resumed run's
 
     @property

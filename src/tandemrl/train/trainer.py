@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,12 +141,14 @@ class Trainer:
             return {**self._skip_step(values, grad_norm), "learning_rate": lr}
         self.num_skipped_steps = 0
         self.offload.optimizer_ready()
-        self.optimizer.step()
+        started = time.perf_counter()
+        self.optimizer.step()  # on a GPU a launch (the device time lands in the next sync); --cpu_optimizer: the whole step
+        optimizer_s = time.perf_counter() - started
         self.scheduler.step()
         self.policy_version += 1
         if self.algo.sync_ref_model and self.policy_version % self.algo.ref_model_sync_steps == 0:
             mix_into(self.reference, self.model, alpha=self.algo.ref_model_mixup_alpha)
-        return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version)}
+        return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version), "time/optimizer_step": optimizer_s}
 
     def _skip_step(self, sums: dict[str, float], grad_norm: float) -> dict[str, float]:
         """A non-finite loss or gradient is never applied: the weights stay as they are (no NaN reaches

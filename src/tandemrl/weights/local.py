@@ -28,6 +28,11 @@ class LocalSync:
         self.gather_dtype = gather_dtype
 
     async def publish(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
+        if self.config.move_model_batches == 1 and self.gather_dtype is None:
+            # one batch of whole tensors: handed over as they come, so tensors made for the sync (LoRA's merged
+            # weights) never all exist at once (a 7B base: 14 GiB); the version flips at the end all the same
+            await self.generator.update_weights(((name, full_tensor(tensor.detach())) for name, tensor in weights), version=version)
+            return
         named = [(name, tensor.detach()) for name, tensor in weights]
         batches = list(batched(named, self.config.move_model_batches, len(named)))
         # every batch but the last keeps the old version: the generator flips only at the end

@@ -52,6 +52,7 @@ from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when never alone in one
+CPU_KV_CACHE_TOKENS = 65536  # --kv_cache_tokens 0 on a CPU
 
 
 class Engine:
@@ -544,8 +545,8 @@ class Engine:
         blocks (host bookkeeping of seconds, memory the colocated trainer needs) that no batch can use."""
         config = self.config
         usable = config.max_num_seqs * -(-self.max_model_len // config.block_size) + 1
-        if self.device.type != "cuda":
-            return min(usable, max(2, config.kv_cache_tokens // config.block_size + 1))
+        if self.device.type != "cuda" or config.kv_cache_tokens:  # on a GPU: a size the memory plan (or the user) chose
+            return min(usable, max(2, (config.kv_cache_tokens or CPU_KV_CACHE_TOKENS) // config.block_size + 1))
         free, total = torch.cuda.mem_get_info(self.device)
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         # head room for activations: the largest prefill (twice with prefill graphs: their pool keeps one
@@ -553,11 +554,19 @@ class Engine:
         hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
         prefill = config.max_num_batched_tokens * hidden * 4 * (2 if self.runner.graph_prefills else 1)
         activations = prefill + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
-        budget = total * config.memory_fraction(colocated=False) - (total - free - reusable) - activations
-        num_blocks = int(budget // self.runner.bytes_per_block())
-        if num_blocks < self.max_model_len // config.block_size + 2:
-            raise ValueError(f"only {num_blocks} KV blocks fit; raise --gpu_memory_utilization or lower --max_model_len")
-        return min(usable, num_blocks)
+        in_use = total - free - reusable
+        fraction = config.memory_fraction(colocated=False)
+        budget = total * fraction - in_use - activations
+        least = self.max_model_len // config.block_size + 2
+        if budget < least * self.runner.bytes_per_block():
+            gib = 2**30
+            raise ValueError(
+                f"the KV cache gets {max(0.0, budget) / gib:.1f} GiB, less than one sequence of max_model_len {self.max_model_len} needs "
+                f"({least * self.runner.bytes_per_block() / gib:.2f} GiB): --gpu_memory_utilization {fraction} of {total / gib:.0f} GiB, "
+                f"{in_use / gib:.1f} GiB already in use, {activations / gib:.1f} GiB kept for activations; raise --gpu_memory_utilization "
+                "(a fraction of the whole GPU) or lower --max_model_len"
+            )
+        return min(usable, int(budget // self.runner.bytes_per_block()))
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab_size = self.runner.vocab_size  # a plain int: model.config's goes through transformers' __getattribute__

@@ -1,0 +1,74 @@
+"""`tandem train`'s memory plan (cli/plan.py): --print_plan, the levers and sizes it applies, and the
+one-line error of a run that cannot fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tandemrl.cli.main import main
+from tandemrl.cli.plan import memory_setup, plan_for, with_plan
+from tandemrl.cli.train import parse
+from tandemrl.memory import GiB
+from tandemrl.pipeline.loop import memory_line
+
+SEVEN_B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               vocab_size=152064, tie_word_embeddings=False)  # fmt: skip
+WORKLOAD = ["--num_prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "128", "--max_completion_length", "256"]
+
+
+@pytest.fixture(scope="module")
+def seven_b(tmp_path_factory):
+    """A directory holding only a Qwen2.5-7B config.json: the plan reads nothing else."""
+    from transformers import Qwen2Config
+
+    path = tmp_path_factory.mktemp("qwen7b")
+    Qwen2Config(**SEVEN_B).save_pretrained(path)
+    return str(path)
+
+
+def test_print_plan_prints_every_phase_and_loads_no_weights(seven_b, capsys):
+    assert main(["train", "--model", seven_b, "--dataset", "x.jsonl", *WORKLOAD, "--print_plan", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: 7.62B parameters, full fine-tuning" in out
+    assert "turned on by the plan: --sleep_level 2 --cpu_optimizer" in out
+    assert all(f"  {phase}" in out for phase in ("generation", "training", "sync"))
+
+
+def test_a_run_that_cannot_fit_is_one_line_naming_what_would(seven_b, capsys):
+    assert main(["train", "--model", seven_b, "--dataset", "x.jsonl", *WORKLOAD, "--print_plan", "80"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit" in err and "--lora_r 16" in err
+
+
+def test_the_plan_applies_its_levers_and_sizes_where_the_user_left_them(seven_b):
+    config, _ = parse(["--model", seven_b, *WORKLOAD])
+    plan = plan_for(config, int(139.8 * GiB))
+    planned = with_plan(config, plan)
+    assert planned.generation.sleep_level == 2 and planned.offload.cpu_optimizer
+    assert planned.engine.kv_cache_tokens == 128 * 384 + 16 and planned.trainer.max_tokens_per_microbatch == plan.microbatch_tokens
+    given, _ = parse(["--model", seven_b, *WORKLOAD, "--max_tokens_per_microbatch", "2048", "--gpu_memory_utilization", "0.7"])
+    kept = with_plan(given, plan_for(given, int(139.8 * GiB)))
+    assert kept.trainer.max_tokens_per_microbatch == 2048 and kept.engine.kv_cache_tokens == 0  # the fraction sizes it
+    too_little, _ = parse(["--model", seven_b, *WORKLOAD, "--gpu_memory_utilization", "0.5"])  # the issue's -44845 KV blocks
+    with pytest.raises(ValueError, match="--gpu_memory_utilization 0 "):
+        plan_for(too_little, int(139.8 * GiB))
+
+
+def test_levers_the_run_forbids_are_never_turned_on(seven_b):
+    config, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--max_staleness", "1"])
+    assert "sleep_level" in memory_setup(config).frozen_levers
+    assert plan_for(config, int(79.2 * GiB)).levers.sleep_level == 0
+
+
+def test_measured_peaks_are_logged_beside_the_plans():
+    line = memory_line({"memory/generation_peak_gib": 45.0, "memory/training_peak_gib": 90.0}, {"generation": 50.0, "training": 100.0, "sync": 40.0})
+    assert line == "memory: generation peak 45.0 GiB, plan 50.0 (-10%); training peak 90.0 GiB, plan 100.0 (-10%)"
+
+
+def test_the_tiny_default_plans_on_a_gpu_without_levers():
+    config, _ = parse([])
+    plan = plan_for(config, int(23.6 * GiB))
+    assert not plan.levers.names() and plan.kv_tokens > 0
+    assert dataclasses.replace(memory_setup(config), levers=plan.levers) is not None

@@ -49,7 +49,14 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
+        """Raises ValueError for a config this arithmetic does not describe (mixtures of experts, nested
+        text configs): the run then goes unplanned."""
         get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+        experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts")
+        missing = [n for n in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if not get(n)]
+        if experts or missing:
+            reason = f"{experts} experts" if experts else f"no {', '.join(missing)}"
+            raise ValueError(f"the memory plan cannot size a {get('model_type', 'this')} model ({reason})")
         heads = get("num_attention_heads")
         return cls(
             vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"),

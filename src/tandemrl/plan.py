@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tandemrl.memory import MemoryPlan
 from tandemrl.generation.base import EngineConfig, GeneratorConfig, HFConfig, RemoteConfig
+from tandemrl.memory import MemoryPlan
 from tandemrl.pipeline.settings import LoopSettings
 from tandemrl.types import SamplingParams
 

@@ -1,5 +1,5 @@
-"""The memory plan's GPU side: --cpu_optimizer's streamed step equals fused AdamW on the GPU, and LoRA
-trains a 16-bit base with float32 adapters (no master copy, no compute copy)."""
+"""The memory plan's GPU side: --cpu_optimizer's streamed step equals fused AdamW on the GPU (LoRA's 16-bit
+base runs in tests/gpu/test_levers_gpu.py's LoRA runs, which now take that path)."""
 
 from __future__ import annotations
 

@@ -160,3 +160,11 @@ def test_gpu_memory_utilization_keeps_its_meaning_in_colocate():
 def test_budget_leaves_context_and_slack():
     assert 0 < budget(int(GPUS["80"])) < GPUS["80"] * 0.95
     assert budget(0) == 0
+
+
+def test_a_mixture_of_experts_is_not_sized_as_dense():
+    """The arithmetic counts dense layers: an MoE config is refused (the run goes unplanned), never undercounted."""
+    from transformers import Qwen3MoeConfig
+
+    with pytest.raises(ValueError, match="128 experts"):
+        ModelShape.from_hf_config(Qwen3MoeConfig(num_experts=128))

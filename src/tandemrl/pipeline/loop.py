@@ -271,7 +271,8 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
     if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
-        await publish_policy(parts)
+        # a colocated engine that kept its weights takes only what the step changed (LoRA: the adapted weights)
+        await publish_policy(parts, changed_only=settings.sleep_level < 2 and getattr(parts.sync, "takes_changed_only", False))
     await asyncio.to_thread(offload.model_to_cpu)
     peaks["memory/sync_peak_gib"] = phase_peak_gib(device)
     memory = {k: v for k, v in peaks.items() if v is not None}
@@ -301,10 +302,12 @@ def memory_line(metrics: dict[str, float], planned: dict[str, float]) -> str | N
     return "memory: " + "; ".join(parts) if parts else None
 
 
-async def publish_policy(parts: LoopParts) -> None:
-    """The trainer's weights live on the generators at its policy version, or RunStopped saying why."""
+async def publish_policy(parts: LoopParts, *, changed_only: bool = False) -> None:
+    """The trainer's weights live on the generators at its policy version, or RunStopped saying why.
+    `changed_only`: the generators hold the previous version whole; only what training changed is sent."""
     try:
-        await parts.sync.publish(parts.trainer.published_weights(), version=parts.trainer.policy_version)
+        weights = parts.trainer.published_weights(changed_only=True) if changed_only else parts.trainer.published_weights()
+        await parts.sync.publish(weights, version=parts.trainer.policy_version)
     except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
         raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
 

@@ -80,6 +80,9 @@ class CpuAdamW(torch.optim.Optimizer):
             if i + 1 < len(chunks):
                 copied = copied_next
         torch.cuda.current_stream(self.device).wait_stream(self._up)
+        for event in applied:  # the pinned updates are free again before the next step writes them
+            if event is not None:
+                event.synchronize()
 
     def _chunks(self) -> Iterator[list[tuple[Tensor, int, int]]]:
         """Chunks of the flat concatenation of the parameters: [(param, start, end) of its flat view]."""

@@ -83,8 +83,10 @@ def reference_policy(model: Any) -> contextlib.AbstractContextManager:
 
 
 @torch.no_grad()
-def merged_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+def merged_weights(model: Any, *, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) of the policy as one plain model; the adapters themselves are not sent.
+    `changed_only`: only what training changes (adapted weights merged, modules trained whole), for a
+    generator that holds the rest already.
 
     Example: layers.0.self_attn.q_proj.base_layer.weight W, with adapter delta D
       -> ("model.layers.0.self_attn.q_proj.weight", W + D); q_proj.base_layer.bias b -> ("...q_proj.bias", b)
@@ -96,14 +98,15 @@ def merged_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
         name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
         owner, base, leaf = name.rpartition(".base_layer.")
         if not base:
-            yield name, param.detach()
+            if not changed_only or param.requires_grad:  # a module trained whole (modules_to_save) changes
+                yield name, param.detach()
             continue
         layer = inner.get_submodule(owner)
         if leaf == "weight":
             deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A]
             # in the base's dtype: the engine's, and half the transient bytes of float32 over a 16-bit base
             yield f"{owner}.weight", (param.detach() + sum(deltas)).to(param.dtype) if deltas else param.detach()
-        else:
+        elif not changed_only:
             yield f"{owner}.{leaf}", param.detach()
 
 

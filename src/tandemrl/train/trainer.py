@@ -110,13 +110,14 @@ class Trainer:
         with reference_policy(model):
             return scored(model)
 
-    def published_weights(self) -> Any:
-        """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged). Under
+    def published_weights(self, *, changed_only: bool = False) -> Any:
+        """(Hugging Face name, tensor) of the policy as the generators load it (with LoRA: merged; with
+        `changed_only` only the weights training changes, for a generator holding the rest). Under
         mixed precision, the 16-bit compute twin refreshed for this version: half the bytes of the float32
         masters, the weights the trainer computes with, and no extra copy (the next forward's refresh
         then has nothing to do)."""
         if is_lora(self.model):
-            return merged_weights(self.model)
+            return merged_weights(self.model, changed_only=changed_only)
         model = self.plan.forward_model(self.model, self.policy_version)
         if self._published is None or self._published[0] is not model:  # the same Parameter objects every step: listing
             self._published = (model, list(model.named_parameters()))  # them took ~1 ms of each 0.5B weight sync

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 
 class LocalSync:
+    takes_changed_only = True  # the generator keeps what an update leaves out (a server's staging may not)
+
     def __init__(self, config: LocalSyncConfig, generator: LocalGenerator, *, gather_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.generator = generator

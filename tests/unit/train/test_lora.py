@@ -85,3 +85,16 @@ def test_a_16_bit_base_is_one_copy_with_float32_adapters():
     adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
     assert plain["base weights"] == sum(p.nbytes for p in frozen)
     assert plain["adapters + gradients"] == 2 * sum(p.nbytes for p in adapters)
+
+
+def test_after_a_step_only_the_changed_weights_move(trained):
+    """changed_only: the adapted weights merged (and modules trained whole), nothing the step left as it
+    was; loaded over the full policy they give the same weights as a full publish."""
+    _, trainer, _ = trained
+    full = dict(trainer.published_weights())
+    changed = dict(trainer.published_weights(changed_only=True))
+    assert changed and set(changed) < set(full)
+    assert all(name.endswith(".weight") and "proj" in name for name in changed)  # adapted linears only
+    assert "model.embed_tokens.weight" not in changed and not any("norm" in name for name in changed)
+    for name, tensor in changed.items():
+        assert torch.equal(tensor, full[name])

@@ -3,12 +3,19 @@
 In one process: ours, `generate` (padded batch, dynamic cache), `generate` with a static cache
 (compiled), and transformers continuous batching (`generate_batch`, paged|sdpa; on mixed, the manager
 it wraps, so each request gets its own length). Workloads: GRPO (64 prompts x 8 samples, 128 prompt
-tokens, 256 or 1024 new, ignore EOS, temperature 1) and mixed (256 requests, prompt and output lengths
-uniform in [100, 1024]). Baselines are timed warm (after one
+tokens, 256 or 1024 new, ignore EOS, temperature 1), mixed (256 requests, prompt and output lengths
+uniform in [100, 1024]), long rollouts `new{N}x{B}` (B prompts of 128 tokens, N new tokens each: 1k-16k)
+and decode at a context `ctx{C}x{B}` (B prompts of C tokens; two calls of 16 and 80 new tokens, their
+difference is 64 decode steps at context ~C, so prefill is left out). Baselines are timed warm (after one
 untimed call of the same shape). Prints one JSON line per figure and one ratio line per comparison,
-and ours as a fraction of a decode roofline (weights + KV bytes per step over measured copy bandwidth).
+ours as a fraction of a decode roofline (weights + KV bytes per step over measured copy bandwidth), and
+per decode step: device time, bytes read (weights + KV), the fraction of the memory-bandwidth limit and
+of the compute limit (2 x params x rows + attention FLOPs over the measured bf16 matrix rate), and which
+binds. `--sampling top_p=0.9` (or top_k=50, min_p=0.05, comma-joined) filters every request.
 
     python bench/engine.py --models 0.5b --workloads grpo256 --only ours,generate,static,cb
+    python bench/engine.py --models 0.5b,1.5b --workloads ctx4096x128,ctx8192x128 --only ours --profile
+    python bench/engine.py --models 0.5b --workloads new4096x128 --only ours,static
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
 }
+SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)  # untied head
 SYSTEMS = ("ours", "generate", "static", "cb")
 
 
@@ -32,8 +40,8 @@ def build_model(shape: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, **SHAPES[shape],
+        vocab_size=151936 if shape != "7b" else 152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=shape != "7b", bos_token_id=151643, eos_token_id=151645, **(SHAPE_7B if shape == "7b" else SHAPES[shape]),
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -41,9 +49,13 @@ def build_model(shape: str):
     return model.eval()
 
 
-def workload(name: str) -> list[tuple[list[int], int]]:
+def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt_ids, new tokens) per request."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
+    if name.startswith(("new", "ctx")):
+        length, batch = (int(x) for x in name[3:].split("x"))
+        prompt, new = (128, length) if name.startswith("new") else (length, 16)
+        return [([rng.randrange(1000, 150000) for _ in range(prompt)], new) for _ in range(batch)]
     if name.startswith("grpo"):
         new = int(name[4:])
         prompts = [[rng.randrange(1000, 150000) for _ in range(128)] for _ in range(64)]
@@ -51,7 +63,8 @@ def workload(name: str) -> list[tuple[list[int], int]]:
     return [([rng.randrange(1000, 150000) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(256)]
 
 
-def run_ours(model, requests, *, max_model_len: int, profile: bool = False) -> tuple[float, dict]:
+def run_ours(model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None) -> list[tuple[float, dict]]:
+    """(seconds, step split) of each call (a list of requests), timed in turn on one engine after a warm call."""
     from tandemrl.generation.base import EngineConfig
     from tandemrl.generation.engine import Engine
     from tandemrl.types import SamplingParams
@@ -60,23 +73,25 @@ def run_ours(model, requests, *, max_model_len: int, profile: bool = False) -> t
     engine = Engine(config, model=model)
 
     async def go(reqs):
-        params = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True, seed=i) for i, (_, n) in enumerate(reqs)]
+        params = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True, seed=i, **(sampling or {})) for i, (_, n) in enumerate(reqs)]
         return await asyncio.gather(*(engine.generate(p, s) for (p, _), s in zip(reqs, params)))
 
-    asyncio.run(go(requests[:64]))  # warm: Triton kernels compile (graphs were captured at start)
-    before = engine.stats()
-    start = time.perf_counter()
-    completions = asyncio.run(go(requests))
-    elapsed = time.perf_counter() - start
-    after = engine.stats()
-    assert sum(len(c.token_ids) for c in completions) == sum(n for _, n in requests)
-    split = {k.split("/")[1]: round(after[k] - before[k], 3) for k in after if k.endswith("_s") or k.endswith("steps")}
-    if profile:  # one more call under the profiler, after the timed one: the profiler slows what it watches
-        print_kernel_profile(lambda: asyncio.run(go(requests)))
+    asyncio.run(go([(p[:128], min(n, 64)) for p, n in calls[0][:64]]))  # warm: Triton kernels compile (graphs were captured at start)
+    results = []
+    for requests in calls:
+        before = engine.stats()
+        start = time.perf_counter()
+        completions = asyncio.run(go(requests))
+        elapsed = time.perf_counter() - start
+        after = engine.stats()
+        assert sum(len(c.token_ids) for c in completions) == sum(n for _, n in requests)
+        results.append((elapsed, {k.split("/")[1]: round(after[k] - before[k], 4) for k in after if k.endswith("_s") or k.endswith("steps")}))
+    if profile:  # one more call under the profiler, after the timed ones: the profiler slows what it watches
+        print_kernel_profile(lambda: asyncio.run(go(calls[-1])))
     asyncio.run(engine.close())
     del engine
     torch.cuda.empty_cache()
-    return elapsed, split
+    return results
 
 
 def print_kernel_profile(call, top: int = 20) -> None:
@@ -175,47 +190,106 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 20 / (time.perf_counter() - start)
 
 
-def decode_roofline(model, requests, bandwidth: float) -> float:
-    """Tokens/s if every decode step only read the weights once and each sequence's KV once."""
+def matmul_rate() -> float:
+    """FLOP/s of a bf16 8192^3 matrix product on random data (the compute ceiling)."""
+    a, b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - start)
+
+
+def step_cost(model, rows: int, mean_context: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step of `rows` sequences at `mean_context` positions: the weights read
+    once and every sequence's KV once; 2 x params x rows (the input embedding is a lookup) plus the
+    attention's 4 x context x heads x head dim per layer and row."""
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes = rows * mean_context * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    matmul_params = sum(p.numel() for p in model.parameters()) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    flops = 2 * matmul_params * rows + 4 * rows * mean_context * config.num_attention_heads * head_dim * config.num_hidden_layers
+    return weight_bytes + kv_bytes, flops
+
+
+def limits(model, rows: int, mean_context: float, step_s: float, bandwidth: float, flop_rate: float) -> dict:
+    """One decode step's device time against its two floors: the fraction of each limit it reaches, and
+    the binding one (the larger fraction: the floor nearer to the time taken)."""
+    num_bytes, flops = step_cost(model, rows, mean_context)
+    memory, compute = num_bytes / bandwidth / step_s, flops / flop_rate / step_s
+    return {
+        "step_device_ms": round(step_s * 1e3, 3), "bytes_read_GB": round(num_bytes / 1e9, 3), "fraction_of_bandwidth_limit": round(memory, 3),
+        "fraction_of_compute_limit": round(compute, 3), "binding": "memory" if memory >= compute else "compute",
+    }  # fmt: skip
+
+
+def decode_roofline(model, requests, bandwidth: float) -> float:
+    """Tokens/s if every decode step only read the weights once and each sequence's KV once."""
     seconds = 0.0  # simulate the decode steps of a perfect continuous batcher at batch <= 512
-    remaining = sorted(((len(p), n) for p, n in requests), key=lambda r: r[1])
-    batch, queue, step = [], list(remaining), 0
+    queue = sorted(((len(p), n) for p, n in requests), key=lambda r: r[1])
     lens: list[list[int]] = []
     while queue or lens:
         while queue and len(lens) < 512:
             p, n = queue.pop()
             lens.append([p, n])
-        kv = sum(c for c, _ in lens) * kv_per_token
-        seconds += (weight_bytes + kv) / bandwidth
+        num_bytes, _ = step_cost(model, len(lens), sum(c for c, _ in lens) / len(lens))
+        seconds += num_bytes / bandwidth
         lens = [[c + 1, n - 1] for c, n in lens if n > 1]
-        step += 1
     return sum(n for _, n in requests) / seconds
+
+
+def run_at_context(model, name: str, args, bandwidth: float, flop_rate: float) -> None:
+    """Decode steps at a context of C positions: a call of 16 new tokens and one of 80 (other prompts, so no
+    prefix is cached), both with the same prefill; their difference is 64 decode steps."""
+    short, long = workload(name, seed=1), [(p, 80) for p, _ in workload(name, seed=2)]
+    context = len(short[0][0])
+    (short_s, short_split), (long_s, long_split) = run_ours(
+        model, [short, long], max_model_len=context + 96, profile=args.profile, sampling=args.sampling
+    )  # fmt: skip
+    steps = long_split["num_steps"] - short_split["num_steps"]
+    device_s = (long_split["decode_gpu_s"] - short_split["decode_gpu_s"]) / steps
+    record = {"model": model.shape_name, "workload": name, "system": "ours", "rows": len(short), "context": context + 48, "decode_steps": steps}
+    record |= limits(model, len(short), context + 48, device_s, bandwidth, flop_rate)
+    record["step_wall_ms"] = round((long_s - short_s) / steps * 1e3, 3)
+    print(json.dumps(record), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="0.5b,1.5b")
-    parser.add_argument("--workloads", default="grpo256,grpo1024,mixed")
+    parser.add_argument("--models", default="0.5b,1.5b", help="0.5b, 1.5b, 7b")
+    parser.add_argument("--workloads", default="grpo256,grpo1024,mixed", help="grpo256, grpo1024, mixed, new{N}x{B}, ctx{C}x{B}")
     parser.add_argument("--only", default=",".join(SYSTEMS), help="systems to run: ours,generate,static,cb")
     parser.add_argument("--profile", action="store_true", help="after ours is timed, print its top device kernels from one more call")
+    parser.add_argument(
+        "--sampling", default="", help="';'-separated filters of every request, ours run once each, e.g. ';top_p=0.9;top_k=50' (none, then two)"
+    )  # fmt: skip
     args = parser.parse_args()
+    variants = [{k: (int(v) if k == "top_k" else float(v)) for k, v in (kv.split("=") for kv in variant.split(",") if kv)} for variant in args.sampling.split(";")]
+    args.sampling = variants[0]  # of the ctx workloads (decode steps at a context)
     systems = args.only.split(",")
-    bandwidth = copy_bandwidth()
-    print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "device": torch.cuda.get_device_name()}), flush=True)
+    bandwidth, flop_rate = copy_bandwidth(), matmul_rate()
+    print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "bf16_matmul_TFLOPs": round(flop_rate / 1e12, 1), "device": torch.cuda.get_device_name()}), flush=True)
     for shape in args.models.split(","):
         model = build_model(shape)
+        model.shape_name = shape
         for name in args.workloads.split(","):
+            if name.startswith("ctx"):
+                run_at_context(model, name, args, bandwidth, flop_rate)
+                continue
             requests = workload(name)
             num_tokens = sum(n for _, n in requests)
             max_len = max(len(p) + n for p, n in requests)
             figures = {}
-            for system in systems:
+            runs = [("ours", v) for v in variants if "ours" in systems] + [(s, {}) for s in systems if s != "ours"]
+            for system, sampling in runs:
                 try:
                     if system == "ours":
-                        elapsed, split = run_ours(model, requests, max_model_len=max_len, profile=args.profile)
+                        [(elapsed, split)] = run_ours(model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling)
+                        system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items())
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}
                     else:
@@ -225,13 +299,20 @@ def main() -> None:
                     continue
                 figures[system] = num_tokens / elapsed
                 record = {"model": shape, "workload": name, "system": system, "tokens_per_s": round(figures[system]), "seconds": round(elapsed, 2)}
-                if system == "ours":
+                if system.startswith("ours"):
                     record["roofline_tokens_per_s"] = round(decode_roofline(model, requests, bandwidth))
                     record["fraction_of_roofline"] = round(figures[system] / record["roofline_tokens_per_s"], 3)
                     record["step_split_s"] = split
+                    decode_steps = split["num_steps"] - split["num_prefill_steps"]
+                    if decode_steps:  # the mean decode step: rows and context of the workload's middle
+                        rows, middle = min(512, len(requests)), sum(len(p) + n / 2 for p, n in requests) / len(requests)
+                        record["mean_decode_step"] = limits(model, rows, middle, split["decode_gpu_s"] / decode_steps, bandwidth, flop_rate)
                 print(json.dumps(record), flush=True)
                 if system != "ours" and "ours" in figures:  # at once: a run cut short keeps its ratios
-                    print(f"ratio {shape} {name} ours/{system} = {figures['ours'] / figures[system]:.2f}", flush=True)
+                    if system.startswith("ours,"):  # a filtered run against the unfiltered one
+                        print(f"ratio {shape} {name} time {system}/ours = {figures['ours'] / figures[system]:.2f}", flush=True)
+                    else:
+                        print(f"ratio {shape} {name} ours/{system} = {figures['ours'] / figures[system]:.2f}", flush=True)
         del model
         torch.cuda.empty_cache()
 

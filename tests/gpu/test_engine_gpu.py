@@ -65,6 +65,52 @@ def test_decode_kernel_matches_gather_attention(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
+def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_heads, dim):
+    """bf16, contexts from one key to 9k over up to 8 chunks (the merge kernel), and the one-chunk path."""
+    from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+
+    torch.manual_seed(heads)
+    block, lens = 16, [1, 100, 255, 257, 1000, 4097, 9000]
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = _random_tables(lens, block, num_blocks)
+    q = torch.randn(len(lens), heads, dim, device="cuda", dtype=torch.bfloat16)
+    expected = gather_attention(q.float(), k_cache.float(), v_cache.float(), build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda")))
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for splits in (None, 1, 3, 8):  # None: decode_splits' choice for these shapes
+        got = decode_attention(q, k_cache, v_cache, bt, context_lens, block, splits=splits).float()
+        for row in range(len(lens)):  # each row on its own: a short one's error is not hidden by the long ones
+            error = (got[row] - expected[row]).norm() / expected[row].norm()
+            assert error < 1e-2, (splits, lens[row], error.item())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype):
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
+
+    torch.manual_seed(4)
+    batch, vocab = 48, 151936
+    logits = (torch.randn(batch, vocab, device="cuda") * 3).to(dtype)
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3] * 12, device="cuda")
+    top_k = torch.tensor([vocab, 50, 5, vocab, 1, vocab] * 8, device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 1.0, 0.3, 1.0] * 6, device="cuda")
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.2] * 8, device="cuda")
+    keys = row_keys(torch.arange(batch, device="cuda") * 7919, torch.full((batch,), 130, device="cuda"))
+    sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
+    expected_ids, expected_lp = sample(logits, sampling)
+    got_ids, got_lp, kept = sample_filtered(logits, temperatures, top_k, top_p, min_p, keys)
+    same = got_ids == expected_ids
+    assert same.float().mean() > 0.95  # a near-tie at a threshold or between scores may flip on the last bit
+    assert torch.allclose(got_lp[same], expected_lp[same], atol=1e-4)
+    assert ((kept > 0) & (kept <= 1.0 + 1e-5)).all()
+
+
+@cuda
 @pytest.mark.parametrize(
     "query_lens, context_lens",
     [

@@ -335,6 +335,7 @@ class Engine:
             "engine/num_prefill_steps": times.num_prefill_steps,
             "engine/prefill_s": times.prefill_s,
             "engine/prefill_gpu_s": times.prefill_gpu_s,
+            "engine/decode_gpu_s": times.decode_gpu_s,
             "engine/schedule_s": times.schedule_s,
             "engine/postprocess_s": times.postprocess_s,
             "engine/version": self.version,

@@ -29,7 +29,7 @@ from tandemrl.generation.engine.layers.attention import (
 from tandemrl.generation.engine.decode_state import DecodeState
 from tandemrl.generation.engine.prefill_graphs import PrefillGraphs
 from tandemrl.generation.engine.models import LlamaForCausalLM
-from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, repetition_penalty, row_keys, sample, sampling_rows
+from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, SamplingTensors, penalise, repetition_penalty, row_keys, sample, sampling_rows
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
@@ -91,6 +91,7 @@ class StepTimes:
     num_prefill_steps: int = 0  # of num_steps, those that computed prompt tokens
     prefill_s: float = 0.0  # wall time of those steps (prepare + wait), included in the two above
     prefill_gpu_s: float = 0.0  # of those steps, device time from the forward's launch to sampled tokens (CUDA events), 0 on CPU
+    decode_gpu_s: float = 0.0  # of the other steps (decodes), gpu_s's share
     schedule_s: float = 0.0  # written by the engine: scheduler.schedule() and schedule_ahead(), launches excluded
     postprocess_s: float = 0.0  # written by the engine: appending tokens, stop checks, callbacks
 
@@ -258,9 +259,12 @@ class ModelRunner:
         if self.is_cuda:
             events = self._events[launched.slot]
             events[2].synchronize()
-            self.times.gpu_s += events[0].elapsed_time(events[1]) / 1000
+            elapsed = events[0].elapsed_time(events[1]) / 1000
+            self.times.gpu_s += elapsed
             if launched.is_prefill:
                 self.times.prefill_gpu_s += events[3].elapsed_time(events[1]) / 1000
+            else:
+                self.times.decode_gpu_s += elapsed
         token_list, logprob_list = launched.token_ids.tolist(), launched.logprobs.tolist()
         waited = time.perf_counter() - start
         self.times.num_steps += 1
@@ -357,7 +361,7 @@ class ModelRunner:
             graph, (token_ids, logprobs, logits, sampling, floors) = self.graphs[graph_size]
             graph.replay()
             if state.needs_filter or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
-                token_ids, logprobs, floors = sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
+                token_ids, logprobs, floors = self._sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
         return token_ids[:batch], logprobs[:batch], logits[:batch], None if floors is None else floors[:batch]
@@ -421,9 +425,15 @@ class ModelRunner:
         )  # fmt: skip
 
     def _sample(self, logits: Tensor, sampling: SamplingTensors) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(token_ids, logprobs, floors) [B]: what every sampling path returns (floors None when no row filters)."""
-        if self.is_cuda and not sampling.needs_filter and sampling.penalty is None:
-            from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
+        """(token_ids, logprobs, floors) [B]: what every sampling path returns (floors None when no row filters).
+        On CUDA the Triton kernels (sampler_kernel.py): filters as thresholds searched without a sort, a
+        repetition penalty applied first; elsewhere sampler.sample."""
+        if not self.is_cuda:
+            return sample(logits, sampling)
+        from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
 
-            return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)
-        return sample(logits, sampling)
+        if sampling.penalty is not None:
+            logits = penalise(logits.float(), sampling.penalty)
+        if sampling.needs_filter:
+            return sample_filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
+        return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)

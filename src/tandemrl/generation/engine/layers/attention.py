@@ -155,6 +155,28 @@ def varlen_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VarlenMe
     return out
 
 
+def decode_chunks(context_len: int, splits: int, min_chunk: int, tile: int) -> list[tuple[int, int]]:
+    """The key ranges [start, end) the split-KV decode kernel (attention_kernel.decode_attention) cuts one
+    context's keys into (with a sliding window, the window's keys, counted from its first): min(splits,
+    ceil(C / min_chunk)) chunks of whole tiles; a last one may be empty.
+
+    Example: decode_chunks(1000, 4, 256, 64) -> [(0, 256), (256, 512), (512, 768), (768, 1000)];
+    decode_chunks(100, 4, 256, 64) -> [(0, 100)] (one chunk: the short-context path, no merge)
+    """
+    num = min(splits, -(-context_len // min_chunk))
+    chunk = -(-(-(-context_len // num)) // tile) * tile
+    return [(min(s * chunk, context_len), min((s + 1) * chunk, context_len)) for s in range(num)]
+
+
+def merge_chunks(outs: Tensor, lses: Tensor) -> Tensor:
+    """Attention over a whole context from its chunks' (flash-decoding's reduction): outs [S, H, D] each
+    chunk's softmax-normalised output, lses [S, H] the log-sum-exp of its scores (-inf for an empty chunk)
+    -> [H, D], each chunk weighted by its share of the softmax mass, exp(lse_s - logsumexp_s lse_s).
+    The kernel's _merge_splits_kernel computes the same."""
+    weights = torch.softmax(lses, dim=0)  # [S, H]
+    return (weights[:, :, None] * outs.nan_to_num()).sum(0)
+
+
 def gather_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: GatherMetadata, options: AttentionOptions | None = None) -> Tensor:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     batch, width = meta.query_index.shape

@@ -117,7 +117,7 @@ def sampling_rows(params: list[SamplingParams], vocab_size: int, *, pad: int = 0
 def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Sets excluded tokens to -inf: top-k, then top-p, then min-p, each on what the last left."""
     vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]; ties: lower index first
     ranks = torch.arange(vocab_size, device=logits.device)[None, :]
     excluded = ranks >= t.top_k[:, None]  # [B, V] in sorted order
     sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))

@@ -110,3 +110,145 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor, chunk:
         parts[0], parts[1], parts[2], indices, parts[3], tokens, logprobs, vocab_size, chunks, SP=max(16, triton.next_power_of_2(chunks)),
     )  # fmt: skip
     return tokens, logprobs
+
+
+@triton.jit
+def _order_key(x, SHIFT: tl.constexpr):
+    # float32 -> int64 key in the floats' order (the sign-magnitude bits of a negative flipped); SHIFT drops
+    # low bits that are always zero (16 for bf16 logits), so a search over keys takes few rounds
+    bits = x.to(tl.int32, bitcast=True)
+    return (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT).to(tl.int64)
+
+
+@triton.jit
+def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= threshold: one pass
+    count = tl.zeros([TILE], tl.int32)
+    mass = tl.zeros([TILE], tl.float32)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        above = (_order_key(x, SHIFT) >= threshold) & (v < V)
+        count += above.to(tl.int32)
+        mass += tl.where(above, tl.exp((x - top) * inv_temp), 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
+
+
+@triton.jit
+def _sample_filtered_kernel(
+    logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, kept_ptr,
+    stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order, found by
+    # bisection over the keys with one pass over the row a round (no sort); then one pass draws the
+    # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
+    # sort would (sampler.filter_logits).
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row * stride_b
+    temp = tl.load(temps_ptr + row)
+    greedy = temp == 0.0  # greedy rows are not filtered (as sampler.sample)
+    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
+    # pass 1: the row's largest logit and its smallest and largest keys
+    run_max = tl.full([TILE], float("-inf"), tl.float32)
+    key_min = tl.full([TILE], 2**40, tl.int64)
+    key_max = tl.full([TILE], -(2**40), tl.int64)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        key = _order_key(x, SHIFT)
+        run_max = tl.maximum(run_max, x)
+        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
+        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
+    top = tl.max(run_max, 0)
+    lo = tl.min(key_min, 0)
+    hi = tl.max(key_max, 0)
+    # F(t) = (count, mass) of keys >= t, non-increasing in t; the search keeps F(lo) in (lo_count, lo_mass)
+    # and F(hi + 1) in (above_count, above_mass)
+    lo_count, lo_mass = _mass_at_or_above(row_ptr, V, lo, top, inv_temp, SHIFT, TILE)
+    total_mass = lo_mass
+    above_count = lo_count * 0
+    above_mass = lo_mass * 0.0
+    if (top_k < V) & (temp != 0.0):  # the largest key with at least top_k logits at or above it
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
+            if count >= top_k:
+                lo, lo_count, lo_mass = mid, count, mass
+            else:
+                hi, above_count, above_mass = mid - 1, count, mass
+        # tied logits at lo past the top_k-th are dropped: F(lo) counts top_k of them
+        lo_mass = above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
+        lo_count = top_k.to(tl.int32)
+    if (top_p < 1.0) & (temp != 0.0):  # the largest key whose logits at or above it reach top_p of the mass
+        target = top_p * lo_mass
+        hi, above_count, above_mass = tl.max(key_max, 0), above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
+            if mass >= target:
+                lo, lo_count, lo_mass = mid, count, mass
+            else:
+                hi, above_count, above_mass = mid - 1, count, mass
+        tied = lo_count - above_count
+        each = (lo_mass - above_mass) / tied
+        # the j-th tied logit stays while the mass before it is under the target
+        lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
+    keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
+    # last pass: min-p, then Gumbel-max among the kept and their mass
+    key_seed = tl.load(keys_ptr + row).to(tl.uint32)
+    tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
+    kept_mass = tl.zeros([TILE], tl.float32)
+    best_score = tl.full([TILE], float("-inf"), tl.float32)
+    best_z = tl.full([TILE], float("-inf"), tl.float32)
+    best_index = tl.full([TILE], -1, tl.int32)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        valid = v < V
+        x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
+        key = _order_key(x, SHIFT)
+        z = (x - top) * inv_temp
+        e = tl.exp(z)
+        tie = (key == lo) & valid
+        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+        tied_before += tl.sum(tie.to(tl.int32), 0)
+        keep = valid & ((key > lo) | (tie & (rank < keep_tied))) & (e >= min_p)
+        kept_mass += tl.where(keep, e, 0.0)
+        bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
+        score = tl.where(keep, z + noise, float("-inf"))
+        better = score > best_score
+        best_score = tl.where(better, score, best_score)
+        best_z = tl.where(better, z, best_z)
+        best_index = tl.where(better, v, best_index)
+    best = tl.max(best_score, 0)
+    index = tl.min(tl.where(best_score == best, best_index, V), 0)
+    z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
+    kept = tl.sum(kept_mass, 0)
+    tl.store(tokens_ptr + row, index.to(tl.int64))
+    tl.store(logprobs_ptr + row, z - tl.log(kept))
+    tl.store(kept_ptr + row, kept / total_mass)
+
+
+def sample_filtered(
+    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, tile: int = 2048, num_warps: int = 8
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
+    order) -> (token_ids [B], logprobs [B] under the filtered distribution, kept_mass [B]: the share of
+    the unfiltered tempered distribution's mass the filters kept, 1.0 for a row without filters).
+
+    Cost: a row of V logits is read 3 times, plus once per bisection round of each filter it uses (about
+    the log2 of its distinct logit values: ~11 for bf16 logits, ~30 for float32), never sorted."""
+    batch, vocab_size = logits.shape
+    shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    kept = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_filtered_kernel[(batch,)](
+        logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, kept,
+        logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, num_warps=num_warps,
+    )  # fmt: skip
+    return tokens, logprobs, kept

@@ -1,0 +1,157 @@
+"""The engine's two decode-step kernels alone on a GPU: split-KV paged decode attention and the sampler.
+
+Attention: one layer's paged KV cache (bf16, blocks of 16 in random order) for B sequences of C positions,
+Qwen2.5 0.5B / 1.5B / 7B head shapes; prints the time of one decode_attention call, the KV bytes it must
+read, and their ratio to the measured copy bandwidth. `--sweep` first times every launch setting (tile,
+warps, stages, programs per SM -> splits) at two sizes, then the best few and the old kernel's setting
+(one program per sequence and KV head: splits 1, tile 64, 4 warps, 3 stages) at every size, each
+checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
+Gumbel-max kernel), filtered (the threshold-search kernel) with top_p / top_k / min_p, and the torch
+reference (a full sort), with the filtered/unfiltered ratio.
+
+    python bench/decode.py --sweep
+    python bench/decode.py --only sampler
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+# query heads, key/value heads, head dim
+HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
+OLD = dict(splits=1, tile=64, num_warps=4, num_stages=3)
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(256 * 2**20, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def attention_problem(shape: str, batch: int, context: int, block: int = 16):
+    heads, kv_heads, dim = HEADS[shape]
+    per_seq = math.ceil(context / block)
+    num_blocks = batch * per_seq + 1
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = (torch.randperm(num_blocks - 1, device="cuda")[: batch * per_seq] + 1).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * batch * context * kv_heads * dim * 2
+    return (q, k_cache, v_cache, tables, lens, block), kv_bytes
+
+
+def time_attention(args, setting: dict, reference) -> tuple[float, float]:
+    """(median ms, relative error against the reference output)."""
+    from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+
+    out = decode_attention(*args, **setting).float()
+    error = ((out - reference).norm() / reference.norm()).item() if reference is not None else 0.0
+    ms = do_bench(lambda: decode_attention(*args, **setting), warmup=10, rep=60, return_mode="median")
+    return ms, error
+
+
+def settings_grid() -> list[dict]:
+    grid = []
+    for tile, warps, stages, per_sm in itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (2, 4, 8, 16)):
+        grid.append(dict(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=per_sm, min_chunk=max(256, tile)))
+    return grid
+
+
+def attention(args, bandwidth: float) -> None:
+    candidates = [dict(tile=64, num_warps=4, num_stages=2, programs_per_sm=4, min_chunk=256)]  # the defaults
+    if args.sweep:
+        for shape, batch, context in (("0.5b", 128, 4096), ("1.5b", 128, 8192)):
+            problem, kv_bytes = attention_problem(shape, batch, context)
+            from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+
+            reference = decode_attention(*problem, **OLD).float()
+            timed = []
+            for setting in settings_grid():
+                try:
+                    ms, error = time_attention(problem, setting, reference)
+                except Exception as exc:  # noqa: BLE001 - a setting that does not compile (shared memory) is skipped
+                    print(json.dumps({"sweep": shape, "setting": setting, "error": repr(exc)[:120]}), flush=True)
+                    continue
+                timed.append((ms, setting))
+                print(json.dumps({"sweep": shape, "batch": batch, "context": context, **setting, "ms": round(ms, 4), "error": round(error, 5),
+                                  "fraction_of_bandwidth": round(kv_bytes / (ms / 1e3) / bandwidth, 3)}), flush=True)  # fmt: skip
+            timed.sort(key=lambda t: t[0])
+            candidates += [s for _, s in timed[:3] if s not in candidates]
+            del problem, reference
+            torch.cuda.empty_cache()
+    print(json.dumps({"candidates": candidates}), flush=True)
+    for shape, batch, context in itertools.product(args.models.split(","), (64, 128, 512), (1024, 4096, 8192, 16384)):
+        problem, kv_bytes = attention_problem(shape, batch, context)
+        from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+
+        reference = decode_attention(*problem, **OLD).float()
+        old_ms, _ = time_attention(problem, OLD, None)
+        row = {"shape": shape, "batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1), "old_ms": round(old_ms, 4),
+               "old_fraction": round(kv_bytes / (old_ms / 1e3) / bandwidth, 3)}  # fmt: skip
+        for i, setting in enumerate(candidates):
+            ms, error = time_attention(problem, setting, reference)
+            row[f"c{i}_ms"], row[f"c{i}_fraction"], row[f"c{i}_error"] = round(ms, 4), round(kv_bytes / (ms / 1e3) / bandwidth, 3), round(error, 5)
+        print(json.dumps(row), flush=True)
+        print(f"ratio attention {shape} B={batch} C={context}: old/default = {old_ms / row['c0_ms']:.2f}x, default at {row['c0_fraction']:.2f} of copy bandwidth", flush=True)
+        del problem, reference
+        torch.cuda.empty_cache()
+
+
+def sampler(args) -> None:
+    from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+
+    vocab = 151936
+    for rows, scale in itertools.product((128, 256, 512), (0.5, 3.0)):  # flat logits (random weights) and peaked ones
+        logits = (torch.randn(rows, vocab, device="cuda") * scale).to(torch.bfloat16)
+        temps = torch.ones(rows, device="cuda")
+        keys = row_keys(torch.arange(rows, device="cuda"), torch.full((rows,), 5, device="cuda"))
+        plain = dict(top_k=torch.full((rows,), vocab, device="cuda"), top_p=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"))
+        unfiltered = do_bench(lambda: sample_unfiltered(logits, temps, keys), warmup=10, rep=100, return_mode="median")
+        row = {"rows": rows, "logit_scale": scale, "unfiltered_ms": round(unfiltered, 4)}
+        for name, change in (("none", {}), ("top_p=0.9", dict(top_p=0.9)), ("top_k=50", dict(top_k=50)), ("min_p=0.05", dict(min_p=0.05)),
+                             ("top_k=50,top_p=0.9", dict(top_k=50, top_p=0.9))):  # fmt: skip
+            params = {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()}
+            call = lambda: sample_filtered(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)  # noqa: E731
+            ids, _, kept = call()
+            sampling = SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params)
+            ref_ids, _ = sample(logits, sampling)
+            ms = do_bench(call, warmup=10, rep=100, return_mode="median")
+            row[f"{name}_ms"], row[f"{name}_same_ids"], row[f"{name}_kept"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4), round(kept.mean().item(), 4)
+            if name == "top_p=0.9":
+                row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
+        print(json.dumps(row), flush=True)
+        print(f"ratio sampler rows={rows} scale={scale}: top_p=0.9 {row['top_p=0.9_ms'] / unfiltered:.2f}x unfiltered, torch sort {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)
+    if args.sweep:  # the filtered kernel's tile and warps at 256 flat rows, top_p 0.9
+        logits = (torch.randn(256, vocab, device="cuda") * 0.5).to(torch.bfloat16)
+        ones, keys = torch.ones(256, device="cuda"), row_keys(torch.arange(256, device="cuda"), torch.full((256,), 5, device="cuda"))
+        top_k, top_p, min_p = torch.full((256,), vocab, device="cuda"), torch.full((256,), 0.9, device="cuda"), torch.zeros(256, device="cuda")
+        for tile, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
+            ms = do_bench(lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, tile=tile, num_warps=warps), warmup=5, rep=50, return_mode="median")
+            print(json.dumps({"sampler_sweep": True, "tile": tile, "num_warps": warps, "ms": round(ms, 4)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="attention,sampler")
+    parser.add_argument("--models", default="0.5b,1.5b,7b")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "device": torch.cuda.get_device_name()}), flush=True)
+    if "attention" in args.only:
+        attention(args, bandwidth)
+    if "sampler" in args.only:
+        sampler(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Split-KV decode ("flash-decoding"): the chunking and merge math in torch on CPU/float32 against whole
+attention, and the Triton kernels (split-KV decode, filtered sampling) in triton's interpreter on CPU
+against the pure-PyTorch paths (skipped where triton is not installed, as in CI). tests/gpu repeats the
+kernel checks in bf16 on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy
+import pytest
+import torch
+
+from tandemrl.generation.engine.layers.attention import build_gather_metadata, decode_chunks, gather_attention, merge_chunks
+from tandemrl.generation.engine.layers.sampler import SamplingTensors, filter_logits, row_keys, sample
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, D], keys/values [C, H, D] -> (softmax attention [H, D], log-sum-exp of the scores [H])."""
+    scores = torch.einsum("hd,chd->hc", q, keys) * q.shape[-1] ** -0.5
+    return torch.einsum("hc,chd->hd", scores.softmax(-1), values), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("context_len, splits", [(1, 8), (100, 8), (257, 2), (1000, 4), (2100, 9)])
+def test_chunks_cover_the_context_and_merge_to_whole_attention(context_len, splits):
+    torch.manual_seed(context_len)
+    chunks = decode_chunks(context_len, splits, 256, 64)
+    assert chunks[0][0] == 0 and chunks[-1][1] == context_len
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # contiguous, no key twice
+    assert len(chunks) == min(splits, -(-context_len // 256))
+    heads, dim = 2, 16
+    q, keys, values = torch.randn(heads, dim), torch.randn(context_len, heads, dim) * 2, torch.randn(context_len, heads, dim)
+    parts = [_attention(q, keys[a:b], values[a:b]) if b > a else (torch.full((heads, dim), float("nan")), torch.full((heads,), float("-inf"))) for a, b in chunks]
+    merged = merge_chunks(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    whole, _ = _attention(q, keys, values)
+    assert (merged - whole).norm() / whole.norm() < 1e-5  # float32 sums in another order
+
+
+def test_a_chunk_may_be_empty_when_chunks_round_up_to_tiles():
+    assert decode_chunks(65, 8, 32, 64) == [(0, 64), (64, 65), (65, 65)]  # 3 chunks of at least 32 keys, as whole tiles of 64
+
+
+_interpreter = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CI)")
+if _interpreter:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported: they run on CPU tensors
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):  # its range() over loaded bounds fails there
+        needs_triton = pytest.mark.skip(reason="triton's interpreter needs numpy < 2.4")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_decode_kernel_equals_gather_attention(splits):
+    from tandemrl.generation.engine.layers.attention_kernel import decode_attention
+
+    torch.manual_seed(splits)
+    block, num_blocks, heads, kv_heads, dim = 16, 80, 14, 2, 32
+    k_cache = torch.randn(num_blocks * block, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    lens = [1, 70, 129, 300, 520]  # one chunk, and chunks of 64 keys rounded to tiles of 32
+    perm, tables = (torch.randperm(num_blocks - 1) + 1).tolist(), []
+    for n in lens:
+        tables.append(perm[: -(-n // block)])
+        perm = perm[len(tables[-1]) :]
+    q = torch.randn(len(lens), heads, dim)
+    expected = gather_attention(q, k_cache, v_cache, build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cpu")))
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    got = decode_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), bt.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), block,
+        splits=splits, min_chunk=64, tile=32,
+    ).cpu()  # fmt: skip
+    assert (got - expected).norm() / expected.norm() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype):
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
+
+    torch.manual_seed(2)
+    rows, vocab = 6, 400
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)  # bf16: many tied logits, at the thresholds too
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9])
+    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
+    keys = row_keys(torch.arange(rows) * 7919, torch.full((rows,), 130))
+    sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
+    expected_ids, expected_logprobs = sample(logits, sampling)
+    on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
+    ids, logprobs, kept = (t.cpu() for t in sample_filtered(*on, tile=256))
+    assert ids.tolist() == expected_ids.tolist()
+    assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
+    scaled = logits.float() / torch.where(temperatures == 0, 1.0, temperatures)[:, None]
+    filtered = filter_logits(scaled, sampling)
+    expected_kept = torch.where(filtered > float("-inf"), scaled.softmax(-1), 0.0).sum(-1)
+    expected_kept[temperatures == 0] = 1.0  # greedy rows are not filtered
+    assert torch.allclose(kept, expected_kept, atol=1e-5)

@@ -12,6 +12,7 @@ model. `--full_step` also runs `tandem train` end to end on the same workload (a
 to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step time split.
 
     python bench/train.py --models 0.5b,1.5b --full_step
+    python bench/train.py --models 0.5b,1.5b --only '' --full_step_completions 4096,8192 --full_steps 4  # long rollouts, 16 x 8
     python bench/train.py --models 0.5b --variants ';triton_logprobs=false'  # ours twice: defaults (Triton head), torch head
     python bench/train.py --models 0.5b --only ours --liger --variants 'torch_compile=false;'  # Liger's RMSNorm/RoPE/SwiGLU
 """
@@ -219,8 +220,9 @@ def print_kernel_profile(call, top: int = 15) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60), flush=True)
 
 
-def full_step(shape: str, args) -> dict:
-    """`tandem train` on the same workload, from a random model saved to a directory (as a new user would)."""
+def full_step(shape: str, args, *, completion: int = COMPLETION, prompts: int = PROMPTS) -> dict:
+    """`tandem train` on the same workload (or `prompts` x 8 of `completion` new tokens), from a random model
+    saved to a directory (as a new user would)."""
     from tandemrl.tasks.tiny import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,18 +234,18 @@ def full_step(shape: str, args) -> dict:
         rng = random.Random(0)
         letters = "abcdefghijklmnopqrstuvwxyz0123456789"
         with open(f"{tmp}/data.jsonl", "w") as f:
-            for _ in range(PROMPTS):
+            for _ in range(prompts):
                 f.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(127))}) + "\n")
         with open(f"{tmp}/noise.py", "w") as f:
             f.write("import random\n\ndef noise(prompts, completions, **kw):\n    return [random.random() for _ in completions]\n")
         cmd = [
             sys.executable, "-m", "tandemrl", "train", "--model", f"{tmp}/model", "--dataset", f"{tmp}/data.jsonl",
-            "--reward_funcs", f"{tmp}/noise.py:noise", "--num_prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS),
-            "--max_completion_length", str(COMPLETION), "--beta", "0", "--max_steps", str(args.full_steps),
+            "--reward_funcs", f"{tmp}/noise.py:noise", "--num_prompts_per_step", str(prompts), "--num_generations", str(GENERATIONS),
+            "--max_completion_length", str(completion), "--beta", "0", "--max_steps", str(args.full_steps),
             "--output_dir", f"{tmp}/run", "--save_steps", "0", "--device", "cuda", *args.train_flags,
         ]  # fmt: skip
         started = time.perf_counter()
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.full_step_timeout)
         wall = time.perf_counter() - started
         if result.returncode != 0:
             return {"error": result.stderr[-2000:]}
@@ -278,6 +280,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--full_step", action="store_true")
     parser.add_argument("--full_steps", type=int, default=6)
+    parser.add_argument(
+        "--full_step_completions", default="", help="long rollouts: `tandem train` of --full_step_prompts x 8 at each of these "
+        "completion lengths (e.g. 4096,8192), after the default workload's; --only '' runs these alone"
+    )  # fmt: skip
+    parser.add_argument("--full_step_prompts", type=int, default=16)
+    parser.add_argument("--full_step_timeout", type=int, default=540, help="seconds one `tandem train` may take")
     parser.add_argument("--train_flags", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     num_tokens = PROMPTS * GENERATIONS * (PROMPT + COMPLETION)
@@ -309,6 +317,9 @@ def main() -> None:
             print(f"ratio {shape} train phase: {name} {out['seconds']:.3f} s vs baseline {baseline['seconds']:.3f} s = {ratio:.2f}x", flush=True)
         if args.full_step:
             print(json.dumps({"model": shape, "system": "tandem train", **full_step(shape, args)}), flush=True)
+        for completion in (int(c) for c in args.full_step_completions.split(",") if c):
+            out = full_step(shape, args, completion=completion, prompts=args.full_step_prompts)
+            print(json.dumps({"model": shape, "system": "tandem train", "prompts": args.full_step_prompts, "completion": completion, **out}), flush=True)
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ class Scheduler:
         if stop and self.detokenize is not None:
             # a stop string of n characters ends within the last n tokens (each token has >= 1 byte)
             window = max(len(s) for s in stop) + 1
-            tail = self.detokenize(seq.output_ids[-window:])
+            tail = self.detokenize(seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - window) :])  # not output_ids: a copy of them all
             if any(s in tail for s in stop):
                 return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -65,9 +65,11 @@ def test_decode_kernel_matches_gather_attention(dtype):
 
 
 @cuda
-@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
-def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_heads, dim):
-    """bf16, contexts from one key to 9k over up to 8 chunks (the merge kernel), and the one-chunk path."""
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(14, 2, 64, 0), (12, 2, 128, 0), (28, 4, 128, 0), (8, 4, 128, 1000)])
+def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_heads, dim, window):
+    """bf16, contexts from one key to 9k over up to 8 chunks (the merge kernel), and the one-chunk path;
+    a sliding window's keys chunked from its first."""
+    from tandemrl.generation.engine.layers.attention import AttentionOptions
     from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
     torch.manual_seed(heads)
@@ -77,12 +79,14 @@ def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_hea
     v_cache = torch.randn_like(k_cache)
     tables = _random_tables(lens, block, num_blocks)
     q = torch.randn(len(lens), heads, dim, device="cuda", dtype=torch.bfloat16)
-    expected = gather_attention(q.float(), k_cache.float(), v_cache.float(), build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda")))
+    options = AttentionOptions(scale=dim**-0.5, window=window)
+    meta = build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cuda"))
+    expected = gather_attention(q.float(), k_cache.float(), v_cache.float(), meta, options)
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     for splits in (None, 1, 3, 8):  # None: decode_splits' choice for these shapes
-        got = decode_attention(q, k_cache, v_cache, bt, context_lens, block, splits=splits).float()
+        got = decode_attention(q, k_cache, v_cache, bt, context_lens, block, options=options, splits=splits).float()
         for row in range(len(lens)):  # each row on its own: a short one's error is not hidden by the long ones
             error = (got[row] - expected[row]).norm() / expected[row].norm()
             assert error < 1e-2, (splits, lens[row], error.item())

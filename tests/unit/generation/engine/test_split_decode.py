@@ -51,8 +51,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @needs_triton
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_split_decode_kernel_equals_gather_attention(splits):
+@pytest.mark.parametrize("splits, window, softcap", [(1, 0, 0.0), (3, 0, 0.0), (8, 0, 0.0), (3, 150, 5.0)])
+def test_split_decode_kernel_equals_gather_attention(splits, window, softcap):
+    from tandemrl.generation.engine.layers.attention import AttentionOptions
     from tandemrl.generation.engine.layers.attention_kernel import decode_attention
 
     torch.manual_seed(splits)
@@ -65,12 +66,13 @@ def test_split_decode_kernel_equals_gather_attention(splits):
         tables.append(perm[: -(-n // block)])
         perm = perm[len(tables[-1]) :]
     q = torch.randn(len(lens), heads, dim)
-    expected = gather_attention(q, k_cache, v_cache, build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cpu")))
+    options = AttentionOptions(scale=dim**-0.5, window=window, softcap=softcap)  # a window: the last 150 keys, in chunks of them
+    expected = gather_attention(q, k_cache, v_cache, build_gather_metadata([1] * len(lens), lens, tables, block, torch.device("cpu")), options)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     got = decode_attention(
         q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), bt.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), block,
-        splits=splits, min_chunk=64, tile=32,
+        options=options, splits=splits, min_chunk=64, tile=32,
     ).cpu()  # fmt: skip
     assert (got - expected).norm() / expected.norm() < 1e-5
 

@@ -121,11 +121,12 @@ def sampler(args) -> None:
                              ("top_k=50,top_p=0.9", dict(top_k=50, top_p=0.9))):  # fmt: skip
             params = {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()}
             call = lambda: sample_filtered(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)  # noqa: E731
-            ids, _, kept = call()
+            ids, _, floors = call()
             sampling = SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params)
-            ref_ids, _ = sample(logits, sampling)
+            ref_ids, _, ref_floors = sample(logits, sampling)
             ms = do_bench(call, warmup=10, rep=100, return_mode="median")
-            row[f"{name}_ms"], row[f"{name}_same_ids"], row[f"{name}_kept"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4), round(kept.mean().item(), 4)
+            row[f"{name}_ms"], row[f"{name}_same_ids"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4)
+            row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
             if name == "top_p=0.9":
                 row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
         print(json.dumps(row), flush=True)

@@ -161,7 +161,7 @@ def _search(row_ptr, V, lo, hi, lo_count, lo_mass, above_count, above_mass, top,
 
 @triton.jit
 def _sample_filtered_kernel(
-    logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, kept_ptr,
+    logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
     stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr, N: tl.constexpr,
 ):  # fmt: skip
     # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order, found by
@@ -193,7 +193,6 @@ def _sample_filtered_kernel(
     # F(t) = (count, mass) of keys >= t, non-increasing in t; F(lo) in (lo_count, lo_mass), F(hi + 1) in above_*
     counts, masses = _mass_at_or_above(row_ptr, V, tl.full([1], 0, tl.int64) + lo, top, inv_temp, SHIFT, TILE)
     lo_count, lo_mass = tl.sum(counts, 0), tl.sum(masses, 0)
-    total_mass = lo_mass
     above_count = lo_count * 0
     above_mass = lo_mass * 0.0
     if (top_k < V) & (temp != 0.0):  # the largest key with at least top_k logits at or above it
@@ -213,10 +212,12 @@ def _sample_filtered_kernel(
         # the j-th tied logit stays while the mass before it is under the target
         lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
-    # last pass: min-p, then Gumbel-max among the kept and their mass
+    # last pass: min-p, then Gumbel-max among the kept, their mass, the lowest kept and highest excluded logit
     key_seed = tl.load(keys_ptr + row).to(tl.uint32)
     tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
     kept_mass = tl.zeros([TILE], tl.float32)
+    kept_min = tl.full([TILE], float("inf"), tl.float32)
+    excluded_max = tl.full([TILE], float("-inf"), tl.float32)
     best_score = tl.full([TILE], float("-inf"), tl.float32)
     best_z = tl.full([TILE], float("-inf"), tl.float32)
     best_index = tl.full([TILE], -1, tl.int32)
@@ -232,6 +233,8 @@ def _sample_filtered_kernel(
         tied_before += tl.sum(tie.to(tl.int32), 0)
         keep = valid & ((key > lo) | (tie & (rank < keep_tied))) & (e >= min_p)
         kept_mass += tl.where(keep, e, 0.0)
+        kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
+        excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
         bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
@@ -243,10 +246,13 @@ def _sample_filtered_kernel(
     best = tl.max(best_score, 0)
     index = tl.min(tl.where(best_score == best, best_index, V), 0)
     z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
-    kept = tl.sum(kept_mass, 0)
     tl.store(tokens_ptr + row, index.to(tl.int64))
-    tl.store(logprobs_ptr + row, z - tl.log(kept))
-    tl.store(kept_ptr + row, kept / total_mass)
+    tl.store(logprobs_ptr + row, z - tl.log(tl.sum(kept_mass, 0)))
+    # the floor (sampler.logit_floors): halfway between the lowest kept and highest excluded tempered logit;
+    # -inf where the row filters nothing, is greedy, or excludes nothing
+    low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
+    filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
+    tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
 
 
 def sample_filtered(
@@ -254,8 +260,8 @@ def sample_filtered(
     tile: int = 1024, num_warps: int = 16, thresholds: int = 16,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
-    order) -> (token_ids [B], logprobs [B] under the filtered distribution, kept_mass [B]: the share of
-    the unfiltered tempered distribution's mass the filters kept, 1.0 for a row without filters).
+    order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
+    halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
 
     Cost: a row of V logits is read 3 times, plus once per round of each filter's search, which tests
     `thresholds` keys a round (its range of distinct logit values shrinks thresholds + 1-fold a round:
@@ -264,9 +270,9 @@ def sample_filtered(
     shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    kept = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    floors = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
-        logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, kept,
+        logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors,
         logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, N=thresholds, num_warps=num_warps,
     )  # fmt: skip
-    return tokens, logprobs, kept
+    return tokens, logprobs, floors

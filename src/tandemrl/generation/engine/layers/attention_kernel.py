@@ -142,11 +142,9 @@ def decode_attention(
 
     Launch settings: `splits` (default decode_splits of the shapes, with `programs_per_sm`: 4 for a head
     dim of 64 or less, else 2), `tile` keys an iteration, `min_chunk` (a multiple of tile) fewest keys of
-    a chunk, `num_warps`, `num_stages`. The defaults were the fastest of 72 settings on an H200 (bf16, one
-    layer's cache, blocks of 16 in random order; bench/decode.py --sweep) at 128 sequences of 4k (head dim
-    64) and of 8k (128) positions; at 128 x 4k-16k they read the cache at 0.74-0.92 (0.5B's heads) and
-    0.88-1.0 (1.5B's) of the copy bandwidth, against 0.50-0.55 and 0.79-0.85 with one program per sequence
-    and head (splits 1)."""
+    a chunk, `num_warps`, `num_stages`. The defaults were the fastest of the settings bench/decode.py --sweep
+    tries (bf16, one layer's cache, blocks of 16 in random order) at 128 sequences of 4k (head dim 64) and
+    of 8k (128) positions (figures: bench/RESULTS.md, bench/decode.py)."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     groups = num_heads // num_kv_heads

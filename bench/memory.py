@@ -17,7 +17,8 @@ Then one line per run:
 
     python bench/memory.py                                   # H200: full 7B, LoRA r16 7B, LoRA r16 14B, ~8 min
     python bench/memory.py --runs lora7b --steps 3           # one of them
-    python bench/memory.py --runs tiny --device cpu          # CPU: a check that it runs (no allocator counts)
+    python bench/memory.py --runs tiny,tinylora --device cpu --prompts 2 --generations 2 --prompt_len 32 --completion_len 8
+                                                             # CPU: a check that it runs (no allocator counts)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=320, tie_word_embeddings=True),
 }  # fmt: skip
-RUNS = {"full7b": ("7b", 0), "lora7b": ("7b", 16), "lora14b": ("14b", 16), "tiny": ("tiny", 0)}
+RUNS = {"full7b": ("7b", 0), "lora7b": ("7b", 16), "lora14b": ("14b", 16), "tiny": ("tiny", 0), "tinylora": ("tiny", 4)}
 PHASES = ("generation", "training", "sync")
 
 
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--completion_len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--timeout_s", type=float, default=300.0, help="most seconds one run may take")
+    parser.add_argument("--timeout_s", type=float, default=420.0, help="most seconds one run may take")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a run of this process (a child)
     args = parser.parse_args()
     if args.one:

@@ -186,18 +186,19 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan in a few lines (the banner and --print_plan)."""
-        gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
+        gib = lambda n: f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"  # noqa: E731
         p = self.shape.num_parameters
+        count = f"{p / 1e9:.2f}B" if p >= 1e8 else f"{p / 1e6:.2f}M"
         what = f"LoRA r{self.setup.lora_rank}" if self.setup.lora_rank else "full fine-tuning"
         levers = " ".join(self.levers.names()) or "none"
         added = f" (turned on by the plan: {' '.join(self.added.names())})" if self.added.names() else ""
         lines = [
-            f"memory plan: {p / 1e9:.2f}B parameters, {what}, GPU {gib(self.gpu_bytes)} GiB (budget {gib(self.budget)} GiB after context and allocator slack)",
+            f"memory plan: {count} parameters, {what}, GPU {gib(self.gpu_bytes)} (budget {gib(self.budget)} after context and allocator slack)",
             f"  levers: {levers}{added}; KV cache {self.kv_tokens} tokens, micro-batch {self.microbatch_tokens} tokens",
         ]
         for phase in PHASES:
             parts = ", ".join(f"{name} {gib(n)}" for name, n in sorted(self.phases[phase].items(), key=lambda kv: -kv[1]) if n)
-            lines.append(f"  {phase:<10} peak {gib(self.peak(phase)):>6} GiB: {parts}")
+            lines.append(f"  {phase:<10} peak {gib(self.peak(phase)):>9}: {parts}")
         return lines
 
 
@@ -322,8 +323,9 @@ def _trainer_static(shape: ModelShape, setup: Setup, levers: Levers) -> tuple[di
     """(the trainer's weights and gradients, its optimizer state on the GPU) between micro-batches."""
     p, w = shape.num_parameters, setup.num_ranks
     trained = _trained_parameters(shape, setup)
-    if setup.lora_rank:  # the frozen base in 16 bits, once; float32 adapters with their gradients
-        model = {"base weights": 2 * p // w, "adapters + gradients": 2 * 4 * trained // w}
+    if setup.lora_rank:  # the frozen base in 16 bits, once (under torchrun FSDP2 shards its float32 masters); float32 adapters
+        base = 2 * p if w == 1 or not setup.mixed else setup.master_bytes * p // w
+        model = {"base weights": base, "adapters + gradients": 2 * 4 * trained // w}
         optimizer = {} if levers.cpu_optimizer else {"optimizer state": 2 * 4 * trained // w}
         return model, optimizer
     m = setup.master_bytes

@@ -84,6 +84,7 @@ def _router_hook(router: nn.Module, _args: Any, output: tuple[Tensor, Tensor, Te
     if state.routes is None:
         return None
     recorded = state.routes[:, layer]  # [N, k]
+    assert recorded.shape[0] == logits.shape[0], "routes set for another batch: call prepare_forward before each forward"
     ids = torch.where(recorded[:, :1] >= 0, recorded, ids)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
     if getattr(router, "norm_topk_prob", True):

@@ -133,6 +133,7 @@ class Trainer:
             loss.backward()
             self.plan.after_backward()
             combine_metrics(sums, parts)  # summed on the device (min / max for the extremes): the loop never waits
+        prepare_forward(unwrap(model), None)  # the filler has no routes (an MoE's last routes were another batch's)
         for _ in range(self.dp.max(len(micro)) - len(micro)):  # FSDP: as many passes as the busiest rank
             (self.plan.logprobs(model, self._filler, **self._head_options(False))[0].sum() * 0.0).backward()
         values = self.dp.combine_metrics(dict(zip(sums, torch.stack(list(sums.values())).tolist())) if sums else {})
@@ -222,6 +223,7 @@ class Trainer:
             logprobs = self._forward(model, m, with_entropy=False)[0]
             for i, part in zip(idx, logprobs.split([lengths[i] for i in idx])):
                 per_trace[i] = part
+        prepare_forward(unwrap(model), None)
         for _ in range(self.dp.max(len(no_grad_plan)) - len(no_grad_plan)):  # FSDP: as many passes as the busiest rank
             self.plan.logprobs(model, self._filler, **self._head_options(False))
         self.plan.reshard(model)

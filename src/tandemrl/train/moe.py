@@ -54,7 +54,7 @@ def route_layout(model: Any) -> RouteLayout | None:
     routers = routers_of(model)
     if not routers:
         return None
-    itemsize = route_itemsize(model.config.num_experts)
+    itemsize = route_itemsize(routers[0].num_experts)
     return RouteLayout(num_layers=len(routers), top_k=routers[0].top_k, dtype=np.dtype(np.uint8 if itemsize == 1 else "<i2"))
 
 
@@ -105,7 +105,7 @@ def aux_loss(model: Any, state: RouterHooks) -> Tensor:
     """transformers' load-balancing loss of the last forward (Switch Transformer's, eqs. 4-6), as the
     model's family computes it (its modeling module's `load_balancing_loss_func`)."""
     module = next(sys.modules[c.__module__] for c in type(model).__mro__ if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
-    return module.load_balancing_loss_func(tuple(state.logits), model.config.num_experts, state.routers[0].top_k)
+    return module.load_balancing_loss_func(tuple(state.logits), state.routers[0].num_experts, state.routers[0].top_k)
 
 
 def packed_routes(traces: list, starts: np.ndarray, num_tokens: int, layout: RouteLayout) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""The engine's Qwen3-MoE against transformers' in float32 on CPU: greedy tokens, logprobs, both weight
-namings (per-expert on disk, stacked in memory and in updates), and the recorded routes."""
+"""The engine's mixture-of-experts models (Qwen3-MoE; OLMoE and Mixtral through the same class) against
+transformers' in float32 on CPU: greedy tokens, logprobs, both weight namings (per-expert on disk, stacked
+in memory and in updates), and the recorded routes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ TINY_MOE = dict(
     model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True,
 )  # fmt: skip
+FAMILIES = {
+    "qwen3_moe": TINY_MOE,
+    "olmoe": dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 TEXTS = ("hello there", "the answer is 42", "abc", "x")
 
@@ -38,10 +44,13 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("qwen3_moe")), seed=1, **TINY_MOE)
 
 
-@pytest.fixture(scope="module")
-def moe(moe_dir):
-    engine = Engine(EngineConfig(model=moe_dir, device="cpu", kv_cache_tokens=2048, routing_replay=True))
-    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def moe(request, moe_dir, tmp_path_factory):
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = moe_dir if request.param == "qwen3_moe" else save_tiny(str(tmp_path_factory.mktemp(request.param)), seed=1, **FAMILIES[request.param])
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", kv_cache_tokens=2048, routing_replay=True))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     yield engine, reference
     run(engine.close())
 
@@ -81,7 +90,7 @@ def test_logprobs_and_routes_equal_a_transformers_forward(moe):
         hook.remove()
     expected = (logits / 0.7).log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
-    routes = np.frombuffer(completion.routes, dtype=np.uint8).reshape(len(completion.token_ids), len(chosen), 2)
+    routes = np.frombuffer(completion.routes, dtype=np.uint8).reshape(len(completion.token_ids), len(chosen), 2)  # 8 experts, top-2
     for layer, ids in enumerate(chosen):  # [P + T, k] each
         assert np.array_equal(np.sort(routes[:, layer], axis=-1), np.sort(ids[len(prompt) - 1 : -1].numpy(), axis=-1))
 

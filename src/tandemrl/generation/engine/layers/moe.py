@@ -21,6 +21,16 @@ from torch import Tensor, nn
 from tandemrl.generation.engine.parallel import TensorParallel
 
 
+def num_experts(config) -> int:
+    """Experts per sparse layer (Mixtral's config names them num_local_experts)."""
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def expert_width(config) -> int:
+    """An expert's intermediate width (OLMoE's and Mixtral's configs name it intermediate_size)."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
 def route(logits: Tensor, top_k: int, *, normalise: bool) -> tuple[Tensor, Tensor]:
     """(weights [N, k] in logits' dtype, expert ids [N, k]) of the k most probable experts.
 
@@ -76,8 +86,8 @@ class SparseMoe(nn.Module):
         self.tp = tp
         self.top_k = config.num_experts_per_tok
         self.normalise = bool(getattr(config, "norm_topk_prob", True))
-        self.gate = Router(config.num_experts, config.hidden_size)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size // size)
+        self.gate = Router(num_experts(config), config.hidden_size)
+        self.experts = Experts(num_experts(config), config.hidden_size, expert_width(config) // size)
         self.routes: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:

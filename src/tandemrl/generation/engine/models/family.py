@@ -8,6 +8,8 @@ model types. `unsupported_reason` says why a config cannot run (the factory then
 | qwen2 | qkv bias; sliding window on the layers layer_types names |
 | qwen3 | per-head RMSNorm of q and k |
 | qwen3_moe | as qwen3, with sparse MLPs (models/qwen3_moe.py replaces them) |
+| olmoe | RMSNorm of the whole q and k projections; sparse MLPs (models/qwen3_moe.py) |
+| mixtral | as mistral, with sparse MLPs (models/qwen3_moe.py) |
 | mistral | a sliding window on every layer (when sliding_window is set) |
 | phi3 | q/k/v and gate/up fused in the checkpoint; window on every layer; partial rotary, longrope |
 | olmo2 | norms after attention and MLP (none before); RMSNorm of the whole q and k projections |
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from tandemrl.generation.engine.layers.attention import AttentionOptions
 from tandemrl.generation.engine.layers.rope import ROPE_TYPES, rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "olmo2", "smollm3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "olmoe", "mixtral", "mistral", "phi3", "olmo2", "smollm3", "gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
 
@@ -79,7 +81,7 @@ class Family:
             qkv_bias=kind == "qwen2" or bool(getattr(config, "attention_bias", False)),
             o_bias=bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm="head" if kind in ("qwen3", "qwen3_moe", "gemma3_text") else "projection" if kind == "olmo2" else "",
+            qk_norm="head" if kind in ("qwen3", "qwen3_moe", "gemma3_text") else "projection" if kind in ("olmo2", "olmoe") else "",
             norms="sandwich" if gemma else "post" if kind == "olmo2" else "pre",
             norm_offset=1.0 if gemma else 0.0,
             norm_in_float32=gemma or kind == "olmo2",
@@ -103,6 +105,8 @@ def unsupported_reason(config: Any) -> str | None:
             return f"rope type {kind!r} is not supported by the engine (it runs {', '.join(ROPE_TYPES)})"
     if _activation(config) not in ACTIVATIONS:
         return f"activation {_activation(config)!r} is not supported by the engine"
+    if getattr(config, "clip_qkv", None) is not None:
+        return "clip_qkv (OLMoE's clamp of q, k and v) is not supported by the engine"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention is not supported by the engine"
     unknown = set(_layer_types(config)) - {"full_attention", "sliding_attention"}
@@ -122,7 +126,7 @@ def _layer_types(config: Any) -> list[str]:
 def _window(config: Any, layer_type: str) -> int:
     """The layer's sliding window (0: none), by transformers' rule of each family."""
     window = getattr(config, "sliding_window", None) or 0
-    if config.model_type in ("mistral", "phi3"):  # every layer, whenever the config sets one
+    if config.model_type in ("mistral", "phi3", "mixtral"):  # every layer, whenever the config sets one
         return window
     if config.model_type == "smollm3" and not config.use_sliding_window:
         return 0

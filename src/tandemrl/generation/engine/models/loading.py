@@ -15,7 +15,7 @@ from tandemrl.generation.engine.models.llama import _FUSED, LlamaForCausalLM
 from tandemrl.generation.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from tandemrl.generation.engine.parallel import TensorParallel
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"qwen3_moe": Qwen3MoeForCausalLM}  # by model_type; else LlamaForCausalLM
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"qwen3_moe": Qwen3MoeForCausalLM, "olmoe": Qwen3MoeForCausalLM, "mixtral": Qwen3MoeForCausalLM}  # else LlamaForCausalLM
 
 
 def resolve_model_dir(name: str) -> str:

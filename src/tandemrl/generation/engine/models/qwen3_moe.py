@@ -1,5 +1,7 @@
 """Qwen3-MoE written for inference: Qwen3's attention (q/k RMSNorm) with a sparse mixture-of-experts MLP
-(layers/moe.py) in every layer transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`).
+(layers/moe.py) in every layer transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`). The
+same class serves OLMoE (its attention is family.py's) and Mixtral (whose checkpoints name the block
+`block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down)).
 
 Legend: X experts, E hidden size, I expert width, k experts per token, M sparse layers, R rows recorded.
 
@@ -19,17 +21,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tandemrl.generation.engine.layers.moe import SparseMoe
-from tandemrl.generation.engine.models.llama import LlamaForCausalLM, RMSNorm
+from tandemrl.generation.engine.layers.moe import SparseMoe, expert_width, num_experts
+from tandemrl.generation.engine.models.llama import LlamaForCausalLM
 from tandemrl.generation.engine.parallel import TensorParallel
 from tandemrl.types import route_itemsize
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
 def is_sparse(config: Any, layer: int) -> bool:
-    """Whether transformers gives decoder layer `layer` the sparse MLP (Qwen3MoeDecoderLayer's rule)."""
-    return layer not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
+    """Whether transformers gives decoder layer `layer` the sparse MLP (Qwen3MoeDecoderLayer's rule; every
+    layer of OLMoE and Mixtral, whose configs have neither setting)."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and num_experts(config) > 0 and (layer + 1) % step == 0
+
+
+def hf_name(name: str) -> str:
+    """A checkpoint's name as transformers 5 names the parameter (Mixtral's renamed; others as they are).
+
+    Example: model.layers.0.block_sparse_moe.experts.3.w1.weight -> model.layers.0.mlp.experts.3.gate_proj.weight
+    """
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL.items():
+        name = name.replace(old, new)
+    return name
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -40,14 +57,11 @@ def route_dtype(num_experts: int) -> torch.dtype:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__(config, max_positions, tp)
-        if config.moe_intermediate_size % self.shard.size:
+        if expert_width(config) % self.shard.size:
             raise ValueError(
-                f"--tensor_parallel_size {self.shard.size} does not divide the experts' width {config.moe_intermediate_size}; pick a size that does"
+                f"--tensor_parallel_size {self.shard.size} does not divide the experts' width {expert_width(config)}; pick a size that does"
             )
-        for index, layer in enumerate(self.model.layers):
-            if not hasattr(layer.self_attn, "q_norm"):
-                layer.self_attn.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-                layer.self_attn.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        for index, layer in enumerate(self.model.layers):  # attention (and q/k norms) as family.py names them
             if is_sparse(config, index):
                 layer.mlp = SparseMoe(config, tp)
         self.sparse_blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
@@ -56,7 +70,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def record_routes(self, rows: int) -> None:
         """From now on every forward of up to `rows` tokens writes each token's experts into `self.routes`."""
         config = self.config
-        self.routes = torch.zeros(len(self.sparse_blocks), rows, config.num_experts_per_tok, dtype=route_dtype(config.num_experts), device=self.rope_cos_sin.device)
+        self.routes = torch.zeros(len(self.sparse_blocks), rows, config.num_experts_per_tok, dtype=route_dtype(num_experts(config)), device=self.rope_cos_sin.device)
         for block, routes in zip(self.sparse_blocks, self.routes):
             block.routes = routes
 
@@ -64,16 +78,17 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """LlamaForCausalLM.load_weights, with per-expert tensors copied into their expert's rows here; a
         stacked tensor whose every expert was written counts as written."""
-        if isinstance(weights, list) and not any(_PER_EXPERT.match(name) for name, _ in weights):
+        if isinstance(weights, list) and not any(_PER_EXPERT.match(name) or ".block_sparse_moe." in name for name, _ in weights):
             return super().load_weights(weights)  # a live model's update: keeps the parent's cached load plan
         counts: dict[str, int] = {}
         written = super().load_weights(self._stacked_only(weights, counts))
-        experts = self.config.num_experts
+        experts = num_experts(self.config)
         return written | {name for name, count in counts.items() if count == experts * (2 if name.endswith("gate_up_proj") else 1)}
 
     def _stacked_only(self, weights: Iterable[tuple[str, Tensor]], counts: dict[str, int]) -> Iterator[tuple[str, Tensor]]:
         """`weights` less the per-expert tensors, which are copied on the way (counted per stacked parameter)."""
         for name, tensor in weights:
+            name = hf_name(name)
             match = _PER_EXPERT.match(name)
             if match is None:
                 yield name, tensor
@@ -81,18 +96,19 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
             stacked = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
             target = self.get_parameter(stacked)[expert]  # [2I, E] or [E, I]
-            width = self.config.moe_intermediate_size // self.shard.size
+            full = expert_width(self.config)
+            width = full // self.shard.size
             if part == "down_proj":
-                target.copy_(tensor.narrow(-1, *self.shard.span(self.config.moe_intermediate_size)))
+                target.copy_(tensor.narrow(-1, *self.shard.span(full)))
             else:
-                rows = tensor.narrow(0, *self.shard.span(self.config.moe_intermediate_size))
+                rows = tensor.narrow(0, *self.shard.span(full))
                 target[(part == "up_proj") * width :][:width].copy_(rows)
             counts[stacked] = counts.get(stacked, 0) + 1
 
     def _split(self, name: str, tensor: Tensor) -> Tensor:
         if self.shard.size == 1 or not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             return super()._split(name, tensor)
-        width = self.config.moe_intermediate_size
+        width = expert_width(self.config)
         start, length = self.shard.span(width)
         if name.endswith("down_proj"):
             return tensor.narrow(-1, start, length)

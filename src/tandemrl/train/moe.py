@@ -63,9 +63,10 @@ def hooks(model: Any) -> RouterHooks | None:
     forward stay set until the next one: gradient checkpointing recomputes the forward during backward."""
     installed = getattr(model, "_tandem_router_hooks", None)
     if installed is not None:
-        return installed
+        return installed or None  # False: a dense model, looked at once
     routers = routers_of(model)
     if not routers:
+        model._tandem_router_hooks = False
         return None
     state = RouterHooks(routers=routers)
     for layer, router in enumerate(routers):

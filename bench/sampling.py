@@ -48,13 +48,15 @@ def build_parts(args, model_dir: str):
 
     from tandemrl.algo.presets import AlgoConfig
     from tandemrl.data.cursor import PromptCursor
-    from tandemrl.generation.base import EngineConfig, build_generator
+    from tandemrl.generation.base import EngineConfig
+    from tandemrl.generation.factory import build_generator
     from tandemrl.pipeline.parts import LoopParts
     from tandemrl.rewards.base import RewardFunc
     from tandemrl.train.config import TrainerConfig
     from tandemrl.train.trainer import Trainer
     from tandemrl.types import Example, SamplingParams
-    from tandemrl.weights.base import LocalSyncConfig, build_weight_sync
+    from tandemrl.weights.base import LocalSyncConfig
+    from tandemrl.weights.factory import build_weight_sync
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     algo = AlgoConfig(max_completion_length=args.completion_len, drop_zero_variance_groups=False)

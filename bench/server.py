@@ -20,7 +20,9 @@ import time
 import torch
 from sync import QWEN25_05B, TINY, save_model, start_server
 
-from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig, build_generator
+from tandemrl.generation.base import EngineConfig, HFConfig, RemoteConfig
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.types import SamplingParams
 
 

@@ -60,13 +60,15 @@ def build_parts(args, model_dir: str, url: str | None):
 
     from tandemrl.algo.presets import AlgoConfig
     from tandemrl.data.cursor import PromptCursor
-    from tandemrl.generation.base import EngineConfig, RemoteConfig, build_generator
+    from tandemrl.generation.base import EngineConfig, RemoteConfig
+    from tandemrl.generation.factory import build_generator
     from tandemrl.pipeline.loop import LoopParts
     from tandemrl.rewards.base import RewardFunc
     from tandemrl.train.config import TrainerConfig
     from tandemrl.train.trainer import Trainer
     from tandemrl.types import Example, SamplingParams
-    from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig, build_weight_sync
+    from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
+    from tandemrl.weights.factory import build_weight_sync
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     algo = AlgoConfig(max_completion_length=args.completion_len, drop_zero_variance_groups=False)

@@ -16,9 +16,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandemrl.generation.base import EngineConfig, Generator, HFConfig, build_generator
+from tandemrl.generation.base import EngineConfig, Generator, HFConfig
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.types import SamplingParams
-from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig, build_weight_sync
+from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
+from tandemrl.weights.factory import build_weight_sync
 
 BACKENDS = {
     "hf": lambda model_dir: build_generator(HFConfig(model=model_dir, device="cpu")),

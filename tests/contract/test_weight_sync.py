@@ -9,10 +9,13 @@ import asyncio
 import pytest
 import torch
 
-from tandemrl.generation.base import HFConfig, build_generator
+from tandemrl.generation.base import HFConfig
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.tasks.tiny import build_model, build_tokenizer
 from tandemrl.types import SamplingParams
-from tandemrl.weights.base import LocalSyncConfig, build_weight_sync
+from tandemrl.weights.base import LocalSyncConfig
+from tandemrl.weights.factory import build_weight_sync
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -55,6 +55,20 @@ def test_no_two_packages_import_each_other_even_through_others():
     assert not cycles, f"package import cycles: {cycles}"
 
 
+def test_no_module_imports_itself_through_others_inside_a_package():
+    """Within a package too, imports form no cycle: the shared types live in a module both sides import
+    (pipeline/parts.py), a factory in a module no backend imports (generation/factory.py)."""
+    modules = {".".join(p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__") for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for source, target in edges():
+        while target not in modules and "." in target:  # `from pkg.mod import name`: the module
+            target = target.rsplit(".", 1)[0]
+        if target in modules and target != source:
+            graph.setdefault(source, set()).add(target)
+    cycles = [path for module in sorted(graph) if (path := _path(graph, module, module))]
+    assert not cycles, f"module import cycles: {cycles}"
+
+
 def _path(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
     """A path start -> ... -> goal of at least one edge, or None."""
     seen, stack = set(), [(n, [start, n]) for n in graph.get(start, ())]

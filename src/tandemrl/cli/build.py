@@ -24,7 +24,7 @@ from tandemrl.config import TrainConfig
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
-from tandemrl.generation.base import build_generator
+from tandemrl.generation.factory import build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.memory import ModelShape, plan_memory
 from tandemrl.pipeline.loop import publish_policy, run_loop
@@ -43,7 +43,7 @@ from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
 from tandemrl.train.forward import compute_dtype
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import Example
-from tandemrl.weights.base import build_weight_sync
+from tandemrl.weights.factory import build_weight_sync
 from tandemrl.weights.sharded import ShardedSync
 
 log = logging.getLogger(__name__)

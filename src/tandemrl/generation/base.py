@@ -1,4 +1,5 @@
-"""How tokens are produced: the Generator protocol, one typed config per backend, and the factory.
+"""How tokens are produced: the Generator protocol and one typed config per backend (generation/factory.py
+builds a backend from its config).
 
 A Generator turns prompt token ids into a Completion. It knows nothing about rewards, envs or
 training. Every backend keeps one invariant: a completion's tokens carry the policy version of the
@@ -7,7 +8,6 @@ weights that produced them, and no token is produced from half-updated weights.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,8 +17,6 @@ from tandemrl.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -163,36 +161,6 @@ class RemoteConfig:
 
 
 GeneratorConfig = HFConfig | EngineConfig | RemoteConfig
-
-
-def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None, tp: Any = None) -> Generator:
-    """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode. `tp`: the
-    engine's tensor-parallel group (generation/engine/parallel.py), when it is split across ranks."""
-    match config:
-        case EngineConfig():
-            from tandemrl.generation.engine import Engine, unsupported_reason
-
-            reason = unsupported_reason(config, model=model)
-            if reason is None:
-                return Engine(config, model=model, tokenizer=tokenizer, tp=tp)
-            if config.tensor_parallel_size > 1:
-                raise ValueError(f"{reason}: the engine cannot serve it, and only the engine takes --tensor_parallel_size")
-            log.warning("engine: %s; falling back to the hf generator", reason)
-            from tandemrl.generation.hf import HFGenerator
-
-            hf_config = HFConfig(model=config.model, dtype=config.dtype, device=config.device)
-            generator = HFGenerator(hf_config, model=model, tokenizer=tokenizer)
-            generator.fallback_reason = reason
-            return generator
-        case HFConfig():
-            from tandemrl.generation.hf import HFGenerator
-
-            return HFGenerator(config, model=model, tokenizer=tokenizer)
-        case RemoteConfig():
-            from tandemrl.generation.remote import RemoteGenerator
-
-            return RemoteGenerator(config)
-    raise ValueError(f"unknown generator config {config!r}")
 
 
 def describe_generator(generator: Generator) -> str:

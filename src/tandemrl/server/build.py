@@ -7,7 +7,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tandemrl.generation.base import EngineConfig, HFConfig, build_generator, describe_generator
+from tandemrl.generation.base import EngineConfig, HFConfig, describe_generator
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.generation.loading import load_tokenizer, resolve_device
 from tandemrl.server.app import build_app
 from tandemrl.server.config import RolloutServerConfig

@@ -10,23 +10,34 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-if TYPE_CHECKING:
-    from tandemrl.server.service import RolloutService
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TOKENS_PER_S_WINDOW_S = 10.0  # tokens/s is over the completions that finished this recently
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class LiveService(Protocol):
+    """What a scrape reads off the service (server/service.py's RolloutService), named here so this module
+    needs no import of the service that owns it."""
+
+    counters: Any  # requests, weight_syncs, prompt_tokens, generated_tokens, last_sync_s
+    gate: Any  # num_running, num_queued
+    generator: Any  # version, and stats() when it has them
+    update_in_progress: bool
+    asleep: bool
+
+    @property
+    def num_async_results_held(self) -> int: ...
+
+
 class ServerMetrics:
     """Request latency, time to first token and weight-sync histograms, plus the service's live state."""
 
-    def __init__(self, service: RolloutService):
+    def __init__(self, service: LiveService):
         disable_created_metrics()  # no `*_created` timestamp series beside each histogram (process-wide, as vLLM does)
         self.registry = CollectorRegistry()
         self.request_latency = Histogram(
@@ -61,7 +72,7 @@ class ServerMetrics:
 class _LiveState:
     """A collector that reads counters and gauges off the service when scraped."""
 
-    def __init__(self, service: RolloutService, metrics: ServerMetrics):
+    def __init__(self, service: LiveService, metrics: ServerMetrics):
         self.service, self.metrics = service, metrics
 
     def collect(self) -> Iterator[Metric]:

@@ -150,25 +150,25 @@ def close_data_parallel(dp: DataParallel) -> None:
         dist.destroy_process_group()
 
 
-def shard(model: Any, layers: list, dp: DataParallel, *, mixed: bool) -> None:
+def shard(model: Any, layers: list, dp: DataParallel, *, mixed: bool, forward_methods: dict[str, Any]) -> None:
     """FSDP2 over `model`: each decoder layer its own unit, the rest (embedding, final norm, head) the root.
 
     mixed: forward and backward in bfloat16 over float32 shards, gradients reduced in float32 (this replaces
     the one-process path's compute twin, train/precision.py). Gradients are summed over ranks: the loss is
-    already normalised by the step's global counts. The trainer reaches the head through `packed_logprobs`,
-    registered as a forward method, so the root's gathers run around it as around `forward`.
+    already normalised by the step's global counts. `forward_methods` {name: fn(model, ...)} become methods of
+    the model registered with FSDP (the trainer's `packed_logprobs`, handed in by train/forward.py), so the
+    root's gathers run around them as around `forward`.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
-    from tandemrl.train.forward import packed_logprobs
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for module in [*layers, model]:
         fully_shard(module, mesh=dp.mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # a sum, not a mean
         module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-    model.packed_logprobs = MethodType(packed_logprobs, model)
-    register_fsdp_forward_method(model, "packed_logprobs")
+    for name, fn in forward_methods.items():
+        setattr(model, name, MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
 
 
 def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -104,7 +104,7 @@ class ForwardPlan:
         if self.compile:
             compile_layers(model)
         if self.dp.enabled:
-            shard(model, decoder_layers(model), self.dp, mixed=self.mixed)
+            shard(model, decoder_layers(model), self.dp, mixed=self.mixed, forward_methods={"packed_logprobs": packed_logprobs})
 
 
 def compute_dtype(config: TrainerConfig, model: Any) -> torch.dtype | None:

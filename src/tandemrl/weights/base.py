@@ -12,10 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    import torch
     from torch import Tensor
-
-    from tandemrl.generation.base import Generator
 
 
 class WeightSync(Protocol):
@@ -57,20 +54,6 @@ class DistributedSyncConfig:
 
 
 WeightSyncConfig = LocalSyncConfig | DistributedSyncConfig
-
-
-def build_weight_sync(config: WeightSyncConfig, generator: Generator, *, gather_dtype: torch.dtype | None = None) -> WeightSync:
-    """The one place a weight-sync backend is chosen. `gather_dtype`: FSDP shards are gathered in it."""
-    match config:
-        case LocalSyncConfig():
-            from tandemrl.weights.local import LocalSync
-
-            return LocalSync(config, generator, gather_dtype=gather_dtype)
-        case DistributedSyncConfig():
-            from tandemrl.weights.distributed import DistributedSync
-
-            return DistributedSync(config, generator.client)  # a RemoteGenerator's
-    raise ValueError(f"unknown weight sync config {config!r}")
 
 
 def batched(weights: Iterable[tuple[str, Any]], num_batches: int, total: int) -> Iterator[list[tuple[str, Any]]]:

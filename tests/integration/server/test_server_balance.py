@@ -8,7 +8,9 @@ import asyncio
 import pytest
 from rollout_helpers import GREEDY, start_server
 
-from tandemrl.generation.base import Generator, RemoteConfig, build_generator
+from tandemrl.generation.base import Generator, RemoteConfig
+
+from tandemrl.generation.factory import build_generator
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 from rollout_helpers import start_server
 
-from tandemrl.generation.base import EngineConfig, RemoteConfig, build_generator
+from tandemrl.generation.base import EngineConfig, RemoteConfig
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.types import SamplingParams
 
 TINY_MOE = dict(

@@ -2,7 +2,9 @@ import asyncio
 
 import torch
 
-from tandemrl.generation.base import HFConfig, build_generator
+from tandemrl.generation.base import HFConfig
+
+from tandemrl.generation.factory import build_generator
 from tandemrl.types import SamplingParams
 
 

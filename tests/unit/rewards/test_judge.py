@@ -68,7 +68,8 @@ def test_template_file_needs_both_fields(tmp_path):
 
 def test_a_tiny_model_judges_in_process_without_crashing(tiny_model_dir, tiny_tokenizer):
     """A random tiny judge rarely writes a score: every value is a score in [0, 1] or a logged None."""
-    from tandemrl.generation.base import EngineConfig, build_generator
+    from tandemrl.generation.base import EngineConfig
+    from tandemrl.generation.factory import build_generator
 
     generator = build_generator(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=256), tokenizer=tiny_tokenizer)
     try:

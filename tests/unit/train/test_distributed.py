@@ -32,13 +32,11 @@ def test_with_rollout_servers_rank_zero_generates_every_group_and_every_rank_tra
 def test_a_colocated_engine_split_over_ranks_refuses_staleness():
     import pytest
 
-    from tandemrl.cli.ranks import start_ranks
     from tandemrl.config import GenerationConfig, TrainConfig
     from tandemrl.generation.base import EngineSettings
 
-    config = TrainConfig(engine=EngineSettings(tensor_parallel_size=2), generation=GenerationConfig(max_staleness=1))
-    with pytest.raises(ValueError, match="--max_staleness 1 with a colocated engine split over the ranks"):
-        start_ranks(config, use_cuda=False)
+    with pytest.raises(ValueError, match="--max_staleness 1 with a colocated engine split over the ranks"):  # the config's rule
+        TrainConfig(engine=EngineSettings(tensor_parallel_size=2), generation=GenerationConfig(max_staleness=1))
 
 
 def test_a_split_colocated_engine_needs_torchrun_ranks(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 
 from tandemrl.cli.build import _policy
 from tandemrl.cli.train import parse
-from tandemrl.generation.base import build_generator
+from tandemrl.generation.factory import build_generator
 from tandemrl.train.batching import pack
 from tandemrl.train.trainer import Trainer
 from tandemrl.types import TokenTrace

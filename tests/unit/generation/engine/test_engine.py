@@ -11,8 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandemrl.generation.base import EngineConfig, HFConfig, build_generator, describe_generator
+from tandemrl.generation.base import EngineConfig, HFConfig, describe_generator
+
 from tandemrl.generation.engine import Engine
+from tandemrl.generation.factory import build_generator
 from tandemrl.generation.engine.engine import _out_of_range
 from tandemrl.generation.engine.models.family import SUPPORTED_MODEL_TYPES
 from tandemrl.generation.hf import HFGenerator

@@ -251,10 +251,13 @@ def run_at_context(model, name: str, args, bandwidth: float, flop_rate: float) -
         model, [short, long], max_model_len=context + 96, profile=args.profile, sampling=args.sampling
     )  # fmt: skip
     steps = long_split["num_steps"] - short_split["num_steps"]
-    device_s = (long_split["decode_gpu_s"] - short_split["decode_gpu_s"]) / steps
+    decode_gpu_s = [split.get("decode_gpu_s", split["gpu_s"] - split["prefill_gpu_s"]) for split in (short_split, long_split)]  # a tree before it
+    device_s = (decode_gpu_s[1] - decode_gpu_s[0]) / steps
     record = {"model": model.shape_name, "workload": name, "system": "ours", "rows": len(short), "context": context + 48, "decode_steps": steps}
     record |= limits(model, len(short), context + 48, device_s, bandwidth, flop_rate)
     record["step_wall_ms"] = round((long_s - short_s) / steps * 1e3, 3)
+    if steps != 64:  # the two calls were scheduled differently (a preemption, prefills interleaved otherwise)
+        record["invalid"] = f"{steps} decode steps apart, not 64: not one steady decode step; run again or with fewer rows"
     print(json.dumps(record), flush=True)
 
 
@@ -306,7 +309,7 @@ def main() -> None:
                     decode_steps = split["num_steps"] - split["num_prefill_steps"]
                     if decode_steps:  # the mean decode step: rows and context of the workload's middle
                         rows, middle = min(512, len(requests)), sum(len(p) + n / 2 for p, n in requests) / len(requests)
-                        record["mean_decode_step"] = limits(model, rows, middle, split["decode_gpu_s"] / decode_steps, bandwidth, flop_rate)
+                        record["mean_decode_step"] = limits(model, rows, middle, split.get("decode_gpu_s", split["gpu_s"] - split["prefill_gpu_s"]) / decode_steps, bandwidth, flop_rate)
                 print(json.dumps(record), flush=True)
                 if system != "ours" and "ours" in figures:  # at once: a run cut short keeps its ratios
                     if system.startswith("ours,"):  # a filtered run against the unfiltered one

@@ -114,58 +114,33 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor, chunk:
 
 @triton.jit
 def _order_key(x, SHIFT: tl.constexpr):
-    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped); SHIFT drops
+    # float32 -> int64 key in the floats' order (the sign-magnitude bits of a negative flipped); SHIFT drops
     # low bits that are always zero (16 for bf16 logits), so a search over keys takes few rounds
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
+    return (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT).to(tl.int64)
 
 
 @triton.jit
-def _mass_at_or_above(row_ptr, V, thresholds, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
-    # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= each of the thresholds [N]: one pass
-    count = tl.zeros(thresholds.shape, tl.int32)
-    mass = tl.zeros(thresholds.shape, tl.float32)
+def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= threshold: one pass
+    count = tl.zeros([TILE], tl.int32)
+    mass = tl.zeros([TILE], tl.float32)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        e = tl.exp((x - top) * inv_temp)
-        above = (_order_key(x, SHIFT)[:, None] >= thresholds.to(tl.int32)[None, :]) & (v < V)[:, None]  # [TILE, N]
-        count += tl.sum(above.to(tl.int32), 0)
-        mass += tl.sum(tl.where(above, e[:, None], 0.0), 0)
-    return count, mass
-
-
-@triton.jit
-def _search(row_ptr, V, lo, hi, lo_count, lo_mass, above_count, above_mass, top, inv_temp, goal, BY_MASS: tl.constexpr,
-            SHIFT: tl.constexpr, TILE: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    # the largest key t in [lo, hi] whose F(t) = (count, mass) of keys >= t reaches the goal (count, or mass
-    # when BY_MASS), given that F(lo) does; each pass tests N thresholds spread over (lo, hi], so the range
-    # shrinks N + 1-fold a pass. Carries F(lo) and F(hi + 1) along, returned with lo.
-    j = tl.arange(0, N)
-    while lo < hi:
-        t = lo + tl.maximum(1, ((hi - lo) * (j + 1)) // (N + 1))  # [N] non-decreasing, in (lo, hi]
-        count, mass = _mass_at_or_above(row_ptr, V, t, top, inv_temp, SHIFT, TILE)
-        if BY_MASS:
-            ok = mass >= goal
-        else:
-            ok = count >= goal
-        passed = tl.sum(ok.to(tl.int32), 0)  # F is non-increasing: the first `passed` thresholds pass
-        last, first_failed = j == passed - 1, j == passed
-        lo_count = tl.where(passed > 0, tl.sum(tl.where(last, count, 0), 0), lo_count)
-        lo_mass = tl.where(passed > 0, tl.sum(tl.where(last, mass, 0.0), 0), lo_mass)
-        above_count = tl.where(passed < N, tl.sum(tl.where(first_failed, count, 0), 0), above_count)
-        above_mass = tl.where(passed < N, tl.sum(tl.where(first_failed, mass, 0.0), 0), above_mass)
-        lo, hi = tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(ok, hi, t - 1), 0)
-    return lo, lo_count, lo_mass, above_count, above_mass
+        above = (_order_key(x, SHIFT) >= threshold) & (v < V)
+        count += above.to(tl.int32)
+        mass += tl.where(above, tl.exp((x - top) * inv_temp), 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
 
 
 @triton.jit
 def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-    stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr, N: tl.constexpr,
+    stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order, found by
-    # searching the keys, N thresholds tested per pass over the row (no sort); then one pass draws the
+    # bisection over the keys with one pass over the row a round (no sort); then one pass draws the
     # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
     # sort would (sampler.filter_logits).
     row = tl.program_id(0)
@@ -178,35 +153,44 @@ def _sample_filtered_kernel(
     min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
     # pass 1: the row's largest logit and its smallest and largest keys
     run_max = tl.full([TILE], float("-inf"), tl.float32)
-    key_min = tl.full([TILE], 2**31 - 1, tl.int32)
-    key_max = tl.full([TILE], -(2**31), tl.int32)
+    key_min = tl.full([TILE], 2**40, tl.int64)
+    key_max = tl.full([TILE], -(2**40), tl.int64)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
         key = _order_key(x, SHIFT)
         run_max = tl.maximum(run_max, x)
-        key_min = tl.where(v < V, tl.minimum(key_min, key), key_min)
-        key_max = tl.where(v < V, tl.maximum(key_max, key), key_max)
+        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
+        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
     top = tl.max(run_max, 0)
-    lo = tl.min(key_min, 0).to(tl.int64)  # the search's arithmetic in int64: no overflow between far keys
-    hi = tl.max(key_max, 0).to(tl.int64)
-    # F(t) = (count, mass) of keys >= t, non-increasing in t; F(lo) in (lo_count, lo_mass), F(hi + 1) in above_*
-    counts, masses = _mass_at_or_above(row_ptr, V, tl.full([1], 0, tl.int64) + lo, top, inv_temp, SHIFT, TILE)
-    lo_count, lo_mass = tl.sum(counts, 0), tl.sum(masses, 0)
+    lo = tl.min(key_min, 0)
+    hi = tl.max(key_max, 0)
+    # F(t) = (count, mass) of keys >= t, non-increasing in t; the search keeps F(lo) in (lo_count, lo_mass)
+    # and F(hi + 1) in (above_count, above_mass)
+    lo_count, lo_mass = _mass_at_or_above(row_ptr, V, lo, top, inv_temp, SHIFT, TILE)
     above_count = lo_count * 0
     above_mass = lo_mass * 0.0
     if (top_k < V) & (temp != 0.0):  # the largest key with at least top_k logits at or above it
-        lo, lo_count, lo_mass, above_count, above_mass = _search(
-            row_ptr, V, lo, hi, lo_count, lo_mass, above_count, above_mass, top, inv_temp, top_k.to(tl.int32), False, SHIFT, TILE, N
-        )  # fmt: skip
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
+            if count >= top_k:
+                lo, lo_count, lo_mass = mid, count, mass
+            else:
+                hi, above_count, above_mass = mid - 1, count, mass
         # tied logits at lo past the top_k-th are dropped: F(lo) counts top_k of them
         lo_mass = above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
         lo_count = top_k.to(tl.int32)
     if (top_p < 1.0) & (temp != 0.0):  # the largest key whose logits at or above it reach top_p of the mass
         target = top_p * lo_mass
-        lo, lo_count, lo_mass, above_count, above_mass = _search(
-            row_ptr, V, lo, hi, lo_count, lo_mass, above_count * 0, above_mass * 0.0, top, inv_temp, target, True, SHIFT, TILE, N
-        )  # fmt: skip
+        hi, above_count, above_mass = tl.max(key_max, 0), above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
+            if mass >= target:
+                lo, lo_count, lo_mass = mid, count, mass
+            else:
+                hi, above_count, above_mass = mid - 1, count, mass
         tied = lo_count - above_count
         each = (lo_mass - above_mass) / tied
         # the j-th tied logit stays while the mass before it is under the target
@@ -256,16 +240,16 @@ def _sample_filtered_kernel(
 
 
 def sample_filtered(
-    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *,
-    tile: int = 1024, num_warps: int = 16, thresholds: int = 16,
+    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, tile: int = 2048, num_warps: int = 16
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
     order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
     halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
 
-    Cost: a row of V logits is read 3 times, plus once per round of each filter's search, which tests
-    `thresholds` keys a round (its range of distinct logit values shrinks thresholds + 1-fold a round:
-    ~4 rounds for bf16 logits, ~8 for float32); never sorted."""
+    Cost: a row of V logits is read 3 times, plus once per bisection round of each filter it uses (about
+    the log2 of its distinct logit values: ~11 for bf16 logits, ~30 for float32), never sorted. Each pass
+    keeps per-lane sums and reduces them once; testing 16 thresholds a pass (fewer passes, a reduction per
+    tile) measured slower on an H200 (bench/decode.py --only sampler)."""
     batch, vocab_size = logits.shape
     shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -273,6 +257,6 @@ def sample_filtered(
     floors = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors,
-        logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, N=thresholds, num_warps=num_warps,
+        logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors

@@ -63,13 +63,15 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randrange(1000, 150000) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(256)]
 
 
-def run_ours(model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None) -> list[tuple[float, dict]]:
+def run_ours(
+    model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None, memory: float = 0.6
+) -> list[tuple[float, dict]]:
     """(seconds, step split) of each call (a list of requests), timed in turn on one engine after a warm call."""
     from tandemrl.generation.base import EngineConfig
     from tandemrl.generation.engine import Engine
     from tandemrl.types import SamplingParams
 
-    config = EngineConfig(device="cuda", gpu_memory_utilization=0.6, max_num_seqs=512, max_model_len=max_model_len, max_num_batched_tokens=16384)
+    config = EngineConfig(device="cuda", gpu_memory_utilization=memory, max_num_seqs=512, max_model_len=max_model_len, max_num_batched_tokens=16384)
     engine = Engine(config, model=model)
 
     async def go(reqs):
@@ -85,7 +87,7 @@ def run_ours(model, calls: list[list[tuple[list[int], int]]], *, max_model_len: 
         elapsed = time.perf_counter() - start
         after = engine.stats()
         assert sum(len(c.token_ids) for c in completions) == sum(n for _, n in requests)
-        results.append((elapsed, {k.split("/")[1]: round(after[k] - before[k], 4) for k in after if k.endswith("_s") or k.endswith("steps")}))
+        results.append((elapsed, {k.split("/")[1]: round(after[k] - before[k], 4) for k in after if k.endswith(("_s", "steps", "preemptions"))}))
     if profile:  # one more call under the profiler, after the timed ones: the profiler slows what it watches
         print_kernel_profile(lambda: asyncio.run(go(calls[-1])))
     asyncio.run(engine.close())
@@ -248,12 +250,13 @@ def run_at_context(model, name: str, args, bandwidth: float, flop_rate: float) -
     short, long = workload(name, seed=1), [(p, 80) for p, _ in workload(name, seed=2)]
     context = len(short[0][0])
     (short_s, short_split), (long_s, long_split) = run_ours(
-        model, [short, long], max_model_len=context + 96, profile=args.profile, sampling=args.sampling
+        model, [short, long], max_model_len=context + 96, profile=args.profile, sampling=args.sampling, memory=args.gpu_memory_utilization
     )  # fmt: skip
     steps = long_split["num_steps"] - short_split["num_steps"]
     decode_gpu_s = [split.get("decode_gpu_s", split["gpu_s"] - split["prefill_gpu_s"]) for split in (short_split, long_split)]  # a tree before it
     device_s = (decode_gpu_s[1] - decode_gpu_s[0]) / steps
-    record = {"model": model.shape_name, "workload": name, "system": "ours", "rows": len(short), "context": context + 48, "decode_steps": steps}
+    record = {"model": model.shape_name, "workload": name, "system": "ours", "rows": len(short), "context": context + 48, "decode_steps": steps,
+              "preemptions": [short_split["num_preemptions"], long_split["num_preemptions"]]}  # fmt: skip
     record |= limits(model, len(short), context + 48, device_s, bandwidth, flop_rate)
     record["step_wall_ms"] = round((long_s - short_s) / steps * 1e3, 3)
     if steps != 64:  # the two calls were scheduled differently (a preemption, prefills interleaved otherwise)
@@ -270,6 +273,7 @@ def main() -> None:
     parser.add_argument(
         "--sampling", default="", help="';'-separated filters of every request, ours run once each, e.g. ';top_p=0.9;top_k=50' (none, then two)"
     )  # fmt: skip
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.6, help="ours' share of the GPU (KV cache room)")
     args = parser.parse_args()
     variants = [{k: (int(v) if k == "top_k" else float(v)) for k, v in (kv.split("=") for kv in variant.split(",") if kv)} for variant in args.sampling.split(";")]
     args.sampling = variants[0]  # of the ctx workloads (decode steps at a context)
@@ -291,7 +295,9 @@ def main() -> None:
             for system, sampling in runs:
                 try:
                     if system == "ours":
-                        [(elapsed, split)] = run_ours(model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling)
+                        [(elapsed, split)] = run_ours(
+                            model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling, memory=args.gpu_memory_utilization
+                        )  # fmt: skip
                         system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items())
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}

@@ -192,6 +192,8 @@ class Trainer:
             if self.config.router_aux_loss_coef:
                 loss = loss + self.config.router_aux_loss_coef * aux
             metrics["train/router_aux_loss"] = aux.detach()
+            replayed = m.routes[:, 0, 0] >= 0 if m.routes is not None else torch.zeros_like(m.loss_mask)  # [N]
+            metrics["train/routing_replay_fraction"] = (mean_weights * replayed).sum()  # of trained tokens: 1 with --routing_replay
         metrics["loss"] = loss.detach()
         metrics["entropy"] = (mean_weights * entropy.detach()).sum()
         # lesson 4: the trainer's and the sampler's logprobs of the same tokens at the same version

@@ -120,6 +120,6 @@ def test_train_step_logs_the_aux_loss_and_adds_it_with_a_coefficient(sampled):
         model = copy.deepcopy(policy)
         trainer = Trainer(TrainerConfig(learning_rate=1e-3, router_aux_loss_coef=coef), AlgoConfig(), model, max_steps=1)
         metrics = trainer.train_step(batch)
-        assert 0 < metrics["train/router_aux_loss"] < 10
+        assert 0 < metrics["train/router_aux_loss"] < 10 and metrics["train/routing_replay_fraction"] == pytest.approx(1.0)
         grads[coef] = routers_of(model)[0].weight.grad.clone()
     assert not torch.allclose(grads[0.0], grads[1.0])

@@ -184,6 +184,7 @@ def bench_train(args) -> None:
             "system": "tandem train", "routing_replay": replay, "steps": len(kl), "seconds": round(time.perf_counter() - start, 1),
             "logprob_mismatch_kl_lag0": [float(f"{v:.3g}") for v in kl], "mean": float(f"{means[replay]:.3g}"),
             "router_aux_loss": [round(row["train/router_aux_loss"], 4) for row in rows if "train/router_aux_loss" in row],
+            "replayed": [round(row["train/routing_replay_fraction"], 3) for row in rows if "train/routing_replay_fraction" in row],
         }), flush=True)  # fmt: skip
     print(f"routing replay vs none (small MoE, mean train/logprob_mismatch_kl_lag0): {means[True]:.3g} vs {means[False]:.3g}", flush=True)
 

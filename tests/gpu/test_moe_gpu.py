@@ -1,5 +1,6 @@
 """The fused mixture-of-experts kernel (layers/moe_kernel.py) against a loop over experts, under a CUDA
-graph, and the engine's Qwen3-MoE on the GPU (graphs, recorded routes) against its eager self."""
+graph; the engine's Qwen3-MoE on the GPU (graphs, recorded routes) against its CPU path; the bf16 trainer
+replaying the GPU engine's routes."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def per_expert(x, gate_up, down, weights, ids):
     return out
 
 
-def random_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, width: int, dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+def random_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, width: int, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(num_tokens, hidden, device="cuda", generator=g).to(dtype)
     gate_up = (torch.randn(num_experts, 2 * width, hidden, device="cuda", generator=g) / hidden**0.5).to(dtype)
     down = (torch.randn(num_experts, hidden, width, device="cuda", generator=g) / width**0.5).to(dtype)
@@ -59,7 +60,8 @@ def test_fused_experts_replay_in_a_cuda_graph_with_new_routes():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, gate_up, down, weights, ids)
-    x2, _, _, weights2, ids2 = random_moe(64, 16, 4, 256, 128)
+    x2, _, _, weights2, ids2 = random_moe(64, 16, 4, 256, 128, seed=1)
+    assert not torch.equal(ids, ids2)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
     graph.replay()
     torch.testing.assert_close(out.float(), fused_experts(x2, gate_up, down, weights2, ids2).float())

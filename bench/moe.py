@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--hf_sequences", type=int, default=64, help="sequences transformers generate decodes, in one batch")
     parser.add_argument("--hf_new_tokens", type=int, default=256, help="tokens transformers generate decodes (its share of the time)")
     parser.add_argument("--new_tokens", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--completion_tokens", type=int, default=256)
     parser.add_argument("--train_timeout_s", type=float, default=300)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")

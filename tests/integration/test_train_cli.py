@@ -158,6 +158,11 @@ def test_embedded_default_learns_within_five_minutes(tmp_path):
     print(f"default run: {elapsed:.0f}s, first reward {rewards[0]:.3f}, last-10 mean {sum(rewards[-10:]) / 10:.3f}")
     assert elapsed < 300
     assert rewards[0] <= 0.3
+    readme = (Path(__file__).parents[2] / "README.md").read_text()  # its table of this run is the code's figures
+    table = readme[readme.index("| step | 1 | 10 |") :].splitlines()
+    steps, shown = [int(c) for c in table[0].strip("|").split("|")[1:]], [float(c) for c in table[2].strip("|").split("|")[1:]]
+    assert shown == [round(rewards[s - 1], 3) for s in steps], "README's embedded-default table differs from this run"
+    assert f"Mean of the last 10 steps: {sum(rewards[-10:]) / 10:.3f}" in readme
     assert sum(rewards[-10:]) / 10 >= 0.9
 
 

@@ -50,3 +50,23 @@ def test_a_raising_reward_function_is_reported_at_the_users_line(tmp_path):
     result = tandem("train", "--max_steps", "1", "--reward_funcs", "my_rewards.py:picky", "--output_dir", "run", *TINY, cwd=str(tmp_path))
     line = error_line(result)
     assert "reward function 'picky' raised ZeroDivisionError at my_rewards.py:2: division by zero" in line, line
+
+
+def test_rollout_notices_an_unreachable_hub_in_seconds(tmp_path):
+    env = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    started = time.monotonic()
+    result = tandem("rollout", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--port", "0", env=env)
+    assert "not in the local Hugging Face cache and the hub is offline" in error_line(result)
+    assert time.monotonic() - started < 15
+
+
+def test_rollout_reports_a_busy_port_before_loading_the_model(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        line = error_line(tandem("rollout", "--model", str(tmp_path / "not-loaded-yet"), "--port", str(port)))
+    assert f"cannot bind 127.0.0.1:{port}" in line and time.monotonic() - started < 15

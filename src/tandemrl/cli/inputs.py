@@ -1,4 +1,4 @@
-"""Checks of `tandem train`'s inputs before anything heavy loads: no model, or a data file that does not
+"""Checks of `tandem train`'s (and `tandem rollout`'s) inputs before anything heavy loads: no model, or a data file that does not
 exist, is an error at once (not after the model loaded), and a hub that cannot be reached switches to
 offline mode in seconds (instead of a minute of download retries), with a one-line fix when a hub
 model is not in the local cache.
@@ -34,16 +34,30 @@ def check_inputs(config: TrainConfig) -> None:
             f"dataset {dataset!r} does not exist; pass an existing .jsonl/.json/.parquet file, a directory saved "
             "with datasets.save_to_disk, or a hub id"
         )
-    hub_model = model != TINY_MODEL and not os.path.isdir(os.path.expanduser(model))
+    hub_model = is_hub_model(model)
     hub_data = (bool(dataset) and not _looks_like_file(dataset) and not os.path.isdir(os.path.expanduser(dataset))) or (
         not dataset and config.run.task not in ("", "synthetic")
     )
     if not (hub_model or hub_data):
         return
+    go_offline_if_unreachable()
+    if hub_model:
+        check_cached(model)
+
+
+def is_hub_model(model: str) -> bool:
+    return model != TINY_MODEL and not os.path.isdir(os.path.expanduser(model))
+
+
+def go_offline_if_unreachable() -> None:
+    """HF_HUB_OFFLINE=1 when the hub does not answer within seconds (instead of a minute of retries)."""
     if not _offline() and not hub_reachable():
         os.environ["HF_HUB_OFFLINE"] = "1"
         log.warning("the Hugging Face hub (%s) is unreachable: offline mode, only cached models and datasets load", _endpoint())
-    if hub_model and _offline() and not _cached(model):
+
+
+def check_cached(model: str) -> None:
+    if _offline() and not _cached(model):
         raise FileNotFoundError(
             f"model {model!r} is not in the local Hugging Face cache and the hub is offline; download it once with "
             "network access (huggingface-cli download ...), or pass --model with a local directory or tandem:tiny"

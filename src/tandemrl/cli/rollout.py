@@ -1,7 +1,8 @@
 """`tandem rollout`: serve a model for rollouts over HTTP (FastAPI + uvicorn), with versioned weight sync.
 
 Parses and checks the flags first (a non-loopback bind without a key is refused before anything
-loads), imports torch and the backend after, binds, then prints one line with the address.
+loads), binds the port (a busy one is an error at once), notices an unreachable hub in seconds, imports
+torch and the backend after, listens once the model is served, then prints one line with the address.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, load_yaml
+from tandemrl.cli.inputs import check_cached, go_offline_if_unreachable, is_hub_model
 from tandemrl.generation.base import EngineConfig
 from tandemrl.server.config import RolloutServerConfig
 
@@ -22,7 +24,11 @@ def main(argv: list[str]) -> int:
     config, engine = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    serve(config, engine)
+    sock = _bind(config.host, config.port)  # a busy port is said now, not after the model loaded
+    if is_hub_model(engine.model):  # before transformers is imported: it reads HF_HUB_OFFLINE once
+        go_offline_if_unreachable()
+        check_cached(engine.model)
+    serve(config, engine, sock)
     return 0
 
 
@@ -43,15 +49,17 @@ def parse(argv: list[str]) -> tuple[RolloutServerConfig, EngineConfig]:
     return config, engine
 
 
-def serve(config: RolloutServerConfig, engine: EngineConfig) -> None:
+def serve(config: RolloutServerConfig, engine: EngineConfig, sock: socket.socket | None = None) -> None:
+    """Loads the model and serves it on `sock` (bound, not yet listening: default, bound here)."""
     import uvicorn
 
     from tandemrl.server.build import build_server
 
+    sock = sock or _bind(config.host, config.port)
     model, tokenizer = _built_in(engine)
     heartbeat_s = 0.0 if sys.stdout.isatty() else 30.0
     app = build_server(config, engine, heartbeat_s=heartbeat_s, model=model, tokenizer=tokenizer, on_rank_death=_rank_died)
-    sock = _bind(config.host, config.port)
+    sock.listen(2048)  # only now: until the model is served, a client's connection is refused (it retries), not left hanging
     host, port = sock.getsockname()[:2]
     generator = getattr(app.state, "generator", config.backend)
     print(f"tandem rollout: serving {engine.model} (generator: {generator}) on http://{_url_host(host)}:{port}", flush=True)
@@ -88,7 +96,6 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as error:
         raise ValueError(f"cannot bind {host}:{port} ({error.strerror}); pick another --port or --host") from None
-    sock.listen(2048)
     return sock
 
 

@@ -132,7 +132,10 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
 
 def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 prints and logs
-    logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING if rank else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+        handlers=[LogLines()],
+    )  # fmt: skip
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config, flags = parse(argv)
@@ -170,6 +173,19 @@ def main(argv: list[str]) -> int:
     lines = summary(read_metrics(run_dir), wall_s=time.monotonic() - started, run_dir=str(run_dir), checkpoint=str(checkpoint) if checkpoint else None)
     print("\n".join(lines))
     return 0
+
+
+class LogLines(logging.Handler):
+    """Log records as lines on stderr in step with the console: stdout is flushed first, so a log file holding
+    both keeps them in the order they happened, and stderr is looked up per record, so on a terminal the
+    progress bar (which redirects it while live) prints the line above itself instead of breaking it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.flush()
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 (logging's own contract: a handler never raises)
+            self.handleError(record)
 
 
 def _finished(config: TrainConfig) -> bool:

@@ -191,9 +191,19 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
         if not request.url.path.startswith("/v1/"):
             return await request_validation_exception_handler(request, error)  # 422 with FastAPI's detail
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is ("body", <character position>): no parameter to name
+            where = first["loc"][1] if len(first["loc"]) > 1 else "?"
+            message = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])} at character {where})"
+            return JSONResponse(_error_body(message, "invalid_request_error"), status_code=400)
         param = ".".join(str(part) for part in first["loc"][1:]) or None  # ("body", "messages", 0) -> "messages.0"
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         return JSONResponse(_error_body(message, "invalid_request_error", param=param), status_code=400)
+
+    @app.exception_handler(openai.ModelNotFound)
+    async def no_such_model(request: Request, error: openai.ModelNotFound) -> JSONResponse:
+        body = _error_body(str(error), "invalid_request_error", param="model")
+        body["error"]["code"] = "model_not_found"
+        return JSONResponse(body, status_code=404)
 
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:

@@ -39,6 +39,7 @@ class _Common(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | None = Field(None, description="One stop string (one item), or a list.")
     seed: int | None = sampling_field("seed")
     stream: bool = False
+    stream_options: dict[str, Any] | None = Field(None, description="OpenAI's: {\"include_usage\": true} sends a last chunk with the usage.")
     top_k: int = sampling_field("top_k", description="tandem extension: -1 = off.")
     min_p: float = sampling_field("min_p", description="tandem extension.")
     repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's extension: 1 = off.")
@@ -58,6 +59,19 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description="Refused when given: this server renders no tool schemas and parses no tool calls.")
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}: no constrained decoding.")
+
+    def check_supported(self) -> None:
+        """What an OpenAI client may ask that this server would otherwise ignore silently: a clear 400 instead."""
+        if self.tools:
+            raise ValueError(
+                "tools: this server renders no tool schemas and parses no tool calls; describe the tools in the messages "
+                "and parse the reply yourself, or train with tandem's tool rollouts (--tools)"
+            )
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r}: no constrained decoding here; only type text")
 
 
 def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> None:
@@ -67,6 +81,7 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
 
     @app.post("/v1/completions", summary="OpenAI: text completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(body.model, service.model_name)
         if body.echo:
             raise ValueError("echo is not supported")
         prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter)
@@ -75,9 +90,21 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
 
     @app.post("/v1/chat/completions", summary="OpenAI: chat completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
+        _check_model(body.model, service.model_name)
+        body.check_supported()
         prompt_ids = await prompter.encode_off_loop(messages=[m.model_dump() for m in body.messages], chat_template_kwargs=body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, prompter.max_model_len - len(prompt_ids))
         return await _respond(service, prompter, request, body, [prompt_ids], [_sampling(body, max_tokens)], chat=True)
+
+
+class ModelNotFound(LookupError):
+    """A request for a model this server does not serve (OpenAI's 404 model_not_found)."""
+
+
+def _check_model(asked: str | None, served: str) -> None:
+    """OpenAI (and vLLM) answer a request naming another model 404; an empty name means the served one."""
+    if asked and asked != served:
+        raise ModelNotFound(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)")
 
 
 def _prompt_list(prompt: Any, prompter: Prompter) -> list[list[int]]:
@@ -158,6 +185,8 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
     kind = "chat.completion.chunk" if chat else "text_completion"
     texts = [TextStream(prompter.decode, p.stop) for _, p in jobs]
     started = [False] * len(jobs)
+    usage = bool((body.stream_options or {}).get("include_usage"))
+    num_sampled = 0
 
     def chunk(i: int, text: str, **fields: Any) -> str:
         if chat:
@@ -166,7 +195,8 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
         else:
             part = {"index": i, "text": text, "logprobs": None, "finish_reason": None, **fields}
         started[i] = True
-        return f"data: {json.dumps({**head, 'object': kind, 'choices': [part]})}\n\n"
+        extra = {"usage": None} if usage else {}  # OpenAI: null on every chunk but the last when usage is asked for
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [part], **extra})}\n\n"
 
     try:
         remaining = len(tasks)
@@ -183,6 +213,11 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
             fields = {k: v for k, v in choice.items() if k not in ("index", "finish_reason")}  # logprobs, token ids, versions
             yield chunk(i, texts[i].finish(text), **fields)
             yield chunk(i, "", finish_reason=c.finish_reason)
+            num_sampled += len(c.token_ids)
+        if usage:  # stream_options.include_usage: one last chunk with no choices, as OpenAI sends it
+            num_prompt = sum(len(ids) for ids, _ in jobs)
+            totals = {"prompt_tokens": num_prompt, "completion_tokens": num_sampled, "total_tokens": num_prompt + num_sampled}
+            yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': totals})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

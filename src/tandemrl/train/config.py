@@ -31,7 +31,7 @@ class TrainerConfig:
     with an error after this many in a row."""
     max_tokens_per_microbatch: int = 0
     """Token budget of one packed micro-batch (sequences packed without padding); 0 = auto: on a GPU chosen
-    from free memory (at most 16384), on CPU 8192. No-grad passes (reference, old policy) take 4x on a GPU."""
+    from free memory (at most 16384), on CPU 512. No-grad passes (reference, old policy) take 4x on a GPU."""
     logprob_chunk_size: int = 2048
     """Rows of logits computed at once: bounds float32 logits memory to chunk x vocab (2048 x 152k: 1.2 GB)."""
     torch_compile: bool = True

@@ -91,3 +91,28 @@ def test_logprobs_return_real_top_alternatives(oai, tiny_model_dir):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.top_logprobs[0].token == c.token for c in content)
+
+
+def test_what_a_client_asks_is_never_silently_ignored(oai, server, tiny_model_dir):
+    import httpx
+
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here") as missing:
+        oai.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found"
+    chat = dict(model=tiny_model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tools: this server renders no tool schemas"):
+        oai.chat.completions.create(**chat, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="response_format 'json_object'"):
+        oai.chat.completions.create(**chat, response_format={"type": "json_object"})
+    assert oai.chat.completions.create(**chat, response_format={"type": "text"}).choices[0].message.role == "assistant"
+    raw = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"}, timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["param"] is None and "not valid JSON" in raw.json()["error"]["message"]
+
+
+def test_streaming_sends_usage_last_when_asked(oai, tiny_model_dir):
+    args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}, stream=True)
+    chunks = list(oai.completions.create(**args, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert all(c.usage is None for c in oai.completions.create(**args))  # not asked: no usage chunk

@@ -1,0 +1,59 @@
+"""Small things of the `tandem` command a user meets first: --version, what a stopped run says next,
+a sink package missing before anything loads."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tandemrl.cli.build import how_to_continue
+from tandemrl.cli.inputs import check_inputs
+from tandemrl.cli.main import main
+from tandemrl.cli.train import parse
+
+
+def test_version_names_tandem_and_its_main_dependencies(capsys):
+    import tandemrl
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"tandem {tandemrl.__version__} (torch ") and "transformers " in out
+
+
+def test_how_to_continue_names_the_resume_command_or_the_restart(tmp_path):
+    assert "no checkpoint yet" in how_to_continue(tmp_path) and f"--output_dir {tmp_path}" in how_to_continue(tmp_path)
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "trainer_state.pt").write_bytes(b"")
+    assert how_to_continue(tmp_path) == f"continue from checkpoint-4 with: tandem train --output_dir {tmp_path} --resume"
+
+
+def test_a_missing_sink_package_is_an_error_before_anything_loads(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else object())
+    with pytest.raises(ValueError, match="--report_to wandb needs the wandb package: pip install wandb"):
+        check_inputs(parse(["--report_to", "wandb"])[0])
+
+
+def test_task_help_lists_every_built_in_task():
+    from tandemrl.cli.args import field_docs
+    from tandemrl.config import RunConfig
+    from tandemrl.tasks import TASKS
+
+    assert all(name in field_docs(RunConfig)["task"] for name in TASKS)
+
+
+def test_log_lines_follow_stdout_and_the_stderr_of_the_moment(monkeypatch):
+    import io
+    import logging
+
+    from tandemrl.cli.train import LogLines
+
+    handler = LogLines()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    out, err, order = io.StringIO(), io.StringIO(), []
+    out.flush = lambda: order.append("stdout flushed")  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)  # as the progress bar's redirect does, after the handler exists
+    handler.emit(logging.LogRecord("tandemrl", logging.INFO, __file__, 1, "hello", None, None))
+    assert err.getvalue() == "INFO hello\n" and order == ["stdout flushed"]

@@ -109,7 +109,7 @@ async def measure(parts, args) -> list[dict]:
             "bench": "sampling", "setting": name, "shape": args.shape, "steps": len(rows), "temperature": plan.sampling.temperature,
             "top_p": plan.sampling.top_p, "top_k": plan.sampling.top_k, "min_p": plan.sampling.min_p,
             "kl_lag0": mean("train/logprob_mismatch_kl_lag0"), "kl_lag0_max": max(r["train/logprob_mismatch_kl_lag0"] for r in rows),
-            "logprob_mismatch": mean("train/logprob_mismatch"), "step_s": round(step_s, 4), "gen_s": round(mean("time/generate", timed), 4),
+            "logprob_mismatch": mean("sampling/sampling_logp_difference/mean"), "step_s": round(step_s, 4), "gen_s": round(mean("rollout/generate_s", timed), 4),
             "train_s": round(mean("time/train", timed), 4), "tokens_per_s": round(tokens / step_s, 1),
         }  # fmt: skip
         print(json.dumps(result), flush=True)

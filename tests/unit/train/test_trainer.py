@@ -186,7 +186,7 @@ def test_a_microbatch_with_no_trained_token_adds_nothing_and_crashes_nothing():
     small_metrics, small = step(lengths[0])  # the longest trace fills a micro-batch on its own
     big_metrics, big = step(10_000)
     assert small_metrics["policy_version"] == 1.0
-    for key in ("loss", "entropy", "kl", "train/logprob_mismatch"):
+    for key in ("loss", "entropy", "kl", "sampling/sampling_logp_difference/mean"):
         assert small_metrics[key] == pytest.approx(big_metrics[key], rel=1e-4, abs=1e-7), key
     assert any(g.abs().max() > 1e-4 for g in big.values())
     for name in big:

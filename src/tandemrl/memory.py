@@ -308,10 +308,12 @@ def residents(shape: ModelShape, setup: Setup, levers: Levers, *, kv_tokens: int
     if not levers.offload_optimizer:
         sync.update(optimizer)
     if setup.lora_rank and setup.engine and not setup.engine_shares_base:
-        # merged weights stream to the engine, which copies them 64 tensors (~5 layers) a launch; one
-        # adapted weight's float32 delta and sum while it is merged
-        largest = max(a * b for a, b in shape.linears().values())
-        sync["merge buffer"] = 2 * min(shape.num_layers, 64 // 12) * shape.layer_parameters() + 8 * largest
+        # the adapted weights, merged, stream to the engine, which copies them 64 tensors a launch (all-linear:
+        # ~9 layers' worth in 16 bits); one weight's float32 delta and sum while it is merged
+        linears = {n: ab for n, ab in shape.linears().items() if setup.lora_targets == ("all-linear",) or n in setup.lora_targets}
+        largest = max((a * b for a, b in linears.values()), default=0)
+        per_layer = sum(a * b for a, b in linears.values())
+        sync["merge buffer"] = 2 * min(shape.num_layers, 64 // max(1, len(linears))) * per_layer + 8 * largest
     return {"generation": generation, "training": training, "sync": sync}
 
 

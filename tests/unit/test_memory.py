@@ -105,7 +105,7 @@ CHOICES = {
     ("7b", "24", 0): None, ("7b", "80", 0): None, ("7b", "141", 0): ["--sleep_level 2", "--cpu_optimizer"],
     ("7b", "24", 16): None, ("7b", "80", 16): [], ("7b", "141", 16): [],
     ("14b", "80", 16): [], ("14b", "141", 16): [], ("14b", "141", 0): None,
-    ("32b", "80", 16): None, ("32b", "141", 16): ["--sleep_level 2"],
+    ("32b", "80", 16): None, ("32b", "141", 16): None,  # two 16-bit copies (trainer, engine) + a sync's merged weights
     ("72b", "141", 16): None, ("72b", "141", 0): None,
 }
 

@@ -115,7 +115,7 @@ def one(args) -> None:
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows
     out["steps"] = len(rows)
-    for key in ("step_time", "time/generate", "time/train", "time/optimizer_step", "time/sync"):
+    for key in ("step_time", "time/generate", "time/train", "train/optimizer_step_s", "time/sync"):
         if key in steady[0]:
             out[key] = round(sum(r[key] for r in steady) / len(steady), 3)
     for phase in PHASES:
@@ -137,7 +137,7 @@ def report(results: list[dict]) -> None:
         within = all(x is not None and abs(x - 1) <= 0.10 for x in ratios)
         peak = max((r.get(f"measured_{p}_gib", 0.0) for p in PHASES), default=0.0)
         plan = max((r.get(f"plan_{p}_gib", 0.0) for p in PHASES), default=0.0)
-        split = ", ".join(f"{k.split('/')[1]} {r[k]:.2f}" for k in ("time/generate", "time/train", "time/optimizer_step", "time/sync") if k in r)
+        split = ", ".join(f"{k.split('/')[1]} {r[k]:.2f}" for k in ("time/generate", "time/train", "train/optimizer_step_s", "time/sync") if k in r)
         print(f"{r['run']}: levers {' '.join(r.get('levers', [])) or 'none'}; peak {peak:.1f} GiB (plan {plan:.1f}), every phase within 10%: "
               f"{'yes' if within else 'no'} {ratios}; step {r.get('step_time', float('nan')):.2f} s ({split})")  # fmt: skip
         if r["run"] == "lora7b":

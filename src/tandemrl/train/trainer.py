@@ -150,7 +150,7 @@ class Trainer:
         self.policy_version += 1
         if self.algo.sync_ref_model and self.policy_version % self.algo.ref_model_sync_steps == 0:
             mix_into(self.reference, self.model, alpha=self.algo.ref_model_mixup_alpha)
-        return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version), "time/optimizer_step": optimizer_s}
+        return {**values, "grad_norm": grad_norm, "learning_rate": lr, "policy_version": float(self.policy_version), "train/optimizer_step_s": optimizer_s}
 
     def _skip_step(self, sums: dict[str, float], grad_norm: float) -> dict[str, float]:
         """A non-finite loss or gradient is never applied: the weights stay as they are (no NaN reaches

@@ -17,15 +17,7 @@ from tandemrl.types import SamplingParams
 
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FAMILIES = {
-    "qwen2": dict(model_type="qwen2"),
-    "llama3-untied": dict(
-        model_type="llama",
-        tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    ),
-    "qwen3": dict(model_type="qwen3", head_dim=32),
-}
+from tests.unit.generation.engine.conftest import FAMILIES  # every family README's table lists (windows of 6 tokens)
 
 
 def run(coro):
@@ -197,6 +189,34 @@ def test_bfloat16_engine_gives_the_same_tokens_on_the_prefill_paths_as_the_gathe
 
         outputs[varlen] = run(two_turns())
         assert engine.stats()["engine/num_prefix_hit_tokens"] > 0
+        run(engine.close())
+    matches = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
+    assert matches >= 2 * len(prompts) - 2  # bfloat16: a near-tie may flip one
+    for a, b in zip(outputs[True], outputs[False]):
+        assert abs(a.logprobs[0] - b.logprobs[0]) < 5e-2
+
+
+@cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_paged_prefill_of_each_family_gives_the_gather_paths_tokens(tmp_path, family):
+    """The paged prefill kernel with each family's windows, scales and soft caps (and the fused norm and RoPE
+    kernels in 16-bit, graphs on) against the gather path, over a first turn and a second over its cache."""
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=2, **FAMILIES[family])
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)] + [[7, 8, 9, 10] * 10] * 2
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for paged in (True, False):
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.2, max_num_seqs=64, max_model_len=256))
+        engine.runner.varlen_prefill = engine.runner.paged_prefill = paged
+
+        async def two_turns(engine=engine):
+            first = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            second = await asyncio.gather(*(engine.generate(p + c.token_ids + [11, 12, 13], params) for p, c in zip(prompts, first)))
+            return first + second
+
+        outputs[paged] = run(two_turns())
         run(engine.close())
     matches = sum(a.token_ids == b.token_ids for a, b in zip(outputs[True], outputs[False]))
     assert matches >= 2 * len(prompts) - 2  # bfloat16: a near-tie may flip one
@@ -387,3 +407,53 @@ def test_prefill_graph_replays_give_the_eager_prefills_tokens_bitwise(tmp_path):
     assert all(r == first for r in rounds[True])  # eager, capture and replay: the same numbers
     matches = sum(a[0] == b[0] for a, b in zip(first, rounds[False][0]))
     assert matches >= len(first) - 2
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_family_kernel_options_match_the_torch_path(dtype):
+    """Partial rotary in the fused RoPE kernel, Gemma's and OLMo 2's norm orders, and windows, score scales and
+    soft caps in both attention kernels (tiles where later rows' windows start past the first key tile)."""
+    from tandemrl.generation.engine.layers.attention import AttentionOptions, build_paged_prefill_metadata, decode_gather_metadata
+    from tandemrl.generation.engine.layers.attention_kernel import decode_attention, prefill_attention
+    from tandemrl.generation.engine.layers.norm import rms_norm
+    from tandemrl.generation.engine.layers.rope import apply_rope
+    from tandemrl.generation.engine.layers.rope_kernel import rope_and_cache_
+    from tandemrl.generation.engine.models.llama import RMSNorm
+
+    torch.manual_seed(3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    heads, kv_heads, dim, rotary, slots, n = 8, 2, 128, 96, 200, 37  # Phi-4-mini's head: 3/4 rotary
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    positions, slot_mapping = torch.randint(0, 500, (n,), device="cuda"), torch.randperm(slots, device="cuda")[:n]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
+    emb = torch.arange(512).float()[:, None] * inv_freq
+    table = (torch.stack((torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()), 1) * 1.1).cuda()  # [P, 2, R]
+    cos_sin = table[positions].to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    got, cache = qkv.clone(), torch.zeros(2, slots, kv_heads, dim, device="cuda", dtype=dtype)
+    rope_and_cache_(got, heads, kv_heads, dim, positions, table, slot_mapping, cache[0], cache[1])
+    expected_k = apply_rope(k.view(n, kv_heads, dim), cos_sin[:, :1], cos_sin[:, 1:])
+    assert (cache[0][slot_mapping].float() - expected_k.float()).abs().max() < tol * 10
+    assert torch.equal(cache[1][slot_mapping], v.view(n, kv_heads, dim))
+    for offset, in_float32 in ((1.0, True), (0.0, True)):
+        norm = RMSNorm(896, 1e-6, offset=offset, in_float32=in_float32).cuda().to(dtype)
+        norm.weight.data.normal_()
+        x, residual = torch.randn(37, 896, device="cuda", dtype=dtype), torch.randn(37, 896, device="cuda", dtype=dtype)
+        out, _ = rms_norm(x, norm.weight, 1e-6, residual, offset=offset, in_float32=in_float32)
+        assert (out.float() - norm._norm(x + residual).float()).abs().max() < tol * 10
+    block, heads, kv_heads, dim = 16, 8, 2, 64
+    lens, qlens = [100, 37, 300, 5], [100, 5, 1, 5]
+    tables = _random_tables(lens, block, 64)
+    k_cache = torch.randn(64 * block, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    for options in (AttentionOptions(scale=0.1, window=20), AttentionOptions(scale=0.0625, window=33, softcap=50.0), AttentionOptions(scale=0.2, softcap=3.0)):
+        q = torch.randn(sum(qlens), heads, dim, device="cuda", dtype=dtype)
+        expected = gather_attention(q, k_cache, v_cache, build_gather_metadata(qlens, lens, tables, block, torch.device("cuda")), options)
+        meta = build_paged_prefill_metadata(qlens, lens, tables, block, torch.device("cuda"), tile_queries=16)
+        assert (prefill_attention(q, k_cache, v_cache, meta, options=options).float() - expected.float()).abs().max() < tol * 10, options
+        bt = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], device="cuda", dtype=torch.int32)
+        cl = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        qd = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
+        expected = gather_attention(qd, k_cache, v_cache, decode_gather_metadata(bt, cl, torch.zeros(len(lens), dtype=torch.int64, device="cuda"), block), options)
+        assert (decode_attention(qd, k_cache, v_cache, bt, cl, block, options=options).float() - expected.float()).abs().max() < tol * 10, options

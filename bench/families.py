@@ -1,0 +1,251 @@
+"""The engine on each family of README's table, at real shapes with random weights (configs written here:
+nothing downloads), against transformers `generate` in the same process; and `tandem train` end to end.
+
+generate: per family, random bf16 weights of the real shape built on the GPU; transformers `generate`
+(its default attention: sdpa, eager for Gemma 2; dynamic cache; after a tiny untimed call) and then our
+engine (its model copied from transformers', one untimed warm call) run the same workload: 512 prompts x
+256 new tokens, or 128 x 1024 for the 7B (128-token prompts, ignore EOS, temperature 1). One JSON line per
+system, one ratio line per family ("ours vs transformers generate", the issue's bar: >= 4x). Then greedy
+bf16 agreement: --agree_prompts prompts x --agree_tokens tokens greedy from both, how many sequences are
+identical and the mean length of their common prefix (bf16 near-ties make some diverge).
+
+train: per family, the real widths with --train_layers decoder layers (a full-depth 7B does not train
+beside its engine on one GPU), tandem's tiny tokenizer, saved to a temporary directory; `tandem train`
+runs --train_steps GRPO steps on it with the colocated engine and must say "generator: engine" in its
+banner; prints seconds and the step's loss.
+
+    python bench/families.py                                  # both parts, all six families (~6 min on an H200)
+    python bench/families.py --parts generate --families gemma2,phi3
+    python bench/families.py --smoke                          # tiny shapes on CPU: checks the script, measures nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # the real configs' shapes, from each model's config.json
+    "mistral-7b": dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rope_theta=10000.0, sliding_window=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "gemma2-2b": dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    ),
+    "gemma3-4b-text": dict(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+    ),
+    "phi3-mini": dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, original_max_position_embeddings=4096, sliding_window=2047, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None,
+    ),
+    "olmo2-1b": dict(
+        model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "smollm3-3b": dict(
+        model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=512)
+NO_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # smoke: the real ids lie past its vocab
+REWARD = "def reward(prompts, completions, **columns):\n    return [float(len(set(c)) % 5) for c in completions]\n"
+DEVICE, DTYPE = "cuda", torch.bfloat16
+
+
+def config_of(name: str, smoke: bool, **overrides):
+    from transformers import AutoConfig
+
+    shape = dict(SHAPES[name])
+    model_type = shape.pop("model_type")
+    if smoke:
+        shape.update({k: v for k, v in SMOKE.items() if k in shape or k == "head_dim"}, **NO_IDS)
+        if shape.get("sliding_window"):
+            shape["sliding_window"] = 8  # the smoke's prompts run past it
+        if model_type == "phi3":
+            shape.pop("head_dim", None)
+    shape.update(overrides)
+    return AutoConfig.for_model(model_type, **shape)
+
+
+def build(name: str, smoke: bool):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config_of(name, smoke), dtype=DTYPE)
+    return model.eval()
+
+
+def shape_of(name: str, smoke: bool) -> tuple[int, int]:
+    """(prompts, new tokens) of the family's workload."""
+    if smoke:
+        return 8, 16
+    return (128, 1024) if name == "mistral-7b" else (512, 256)
+
+
+def prompts_of(vocab: int, count: int, length: int = 128, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, *, greedy: bool) -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+    model.generation_config.eos_token_id = None  # every sequence runs its new tokens (as ignore_eos), nothing else masked
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    synchronize()
+    return out[:, width:].tolist()
+
+
+def engine_for(model, max_model_len: int, max_num_seqs: int):
+    from tandemrl.generation.base import EngineConfig, build_generator, describe_generator
+
+    config = EngineConfig(device=DEVICE, gpu_memory_utilization=0.6, max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=16384)
+    engine = build_generator(config, model=model)
+    assert describe_generator(engine) == "engine", describe_generator(engine)
+    return engine
+
+
+def engine_generate(engine, prompts: list[list[int]], new_tokens: int, *, greedy: bool) -> list[list[int]]:
+    from tandemrl.types import SamplingParams
+
+    async def go():
+        params = [SamplingParams(max_tokens=new_tokens, temperature=0.0 if greedy else 1.0, ignore_eos=True, seed=i) for i in range(len(prompts))]
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+    return [c.token_ids for c in asyncio.run(go())]
+
+
+def bench_generate(name: str, args) -> None:
+    model = build(name, args.smoke)
+    num_prompts, new_tokens = shape_of(name, args.smoke)
+    prompts = prompts_of(model.config.vocab_size, num_prompts)
+    parameters_b = sum(p.numel() for p in model.parameters()) / 1e9
+    hf_generate(model, prompts[:2], 4, greedy=False)  # warm: kernels picked, caches set up
+    start = time.perf_counter()
+    hf_generate(model, prompts, new_tokens, greedy=False)
+    hf_s = time.perf_counter() - start
+    hf_tps = num_prompts * new_tokens / hf_s
+    print(json.dumps({"family": name, "system": "transformers generate", "parameters_b": round(parameters_b, 2), "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(hf_s, 2), "tokens_per_s": round(hf_tps, 1)}), flush=True)  # fmt: skip
+    engine = engine_for(model, 128 + max(new_tokens, args.agree_tokens), max(num_prompts, args.agree_prompts))
+    engine_generate(engine, prompts[:64], 16, greedy=False)  # warm: Triton kernels compile (graphs were captured at start)
+    start = time.perf_counter()
+    out = engine_generate(engine, prompts, new_tokens, greedy=False)
+    ours_s = time.perf_counter() - start
+    assert sum(map(len, out)) == num_prompts * new_tokens
+    ours_tps = num_prompts * new_tokens / ours_s
+    print(json.dumps({"family": name, "system": "ours", "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(ours_s, 2), "tokens_per_s": round(ours_tps, 1)}), flush=True)  # fmt: skip
+    print(f"{name}: ours vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {ours_tps / hf_tps:.2f}x", flush=True)
+    agree = prompts_of(model.config.vocab_size, args.agree_prompts, seed=1)
+    ours, theirs = engine_generate(engine, agree, args.agree_tokens, greedy=True), hf_generate(model, agree, args.agree_tokens, greedy=True)
+    prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
+    print(json.dumps({"family": name, "greedy_bf16_identical": f"{sum(x == y for x, y in zip(ours, theirs))}/{len(agree)}", "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1), "tokens": args.agree_tokens}), flush=True)  # fmt: skip
+    asyncio.run(engine.close())
+    del engine, model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def save_for_training(name: str, path: Path, args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tandemrl.tasks.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = config_of(name, args.smoke, num_hidden_layers=args.train_layers, **ids)
+    if config.model_type == "gemma3_text":
+        config.layer_types = ["sliding_attention"] * (args.train_layers - 1) + ["full_attention"]  # both kinds, as in the full depth
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def bench_train(name: str, args, work: Path) -> None:
+    save_for_training(name, work / name, args)
+    run_dir = work / f"{name}-run"
+    command = [
+        sys.executable, "-m", "tandemrl", "train", "--model", str(work / name), "--dataset", str(work / "data.jsonl"),
+        "--reward_funcs", f"{work / 'reward.py'}:reward", "--output_dir", str(run_dir), "--max_steps", str(args.train_steps),
+        "--num_prompts_per_step", "8", "--num_generations", "8", "--max_completion_length", str(args.completion_tokens),
+        "--learning_rate", "1e-5", "--save_steps", "0", *([] if args.compile else ["--no-torch_compile"]),
+        *(["--device", "cpu"] if args.smoke else []),
+    ]  # fmt: skip
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.train_timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if result.returncode != 0:
+        print(result.stdout[-3000:], result.stderr[-3000:], sep="\n", flush=True)
+        raise SystemExit(f"{name}: tandem train failed ({result.returncode})")
+    generator = next((line.split("generator: ", 1)[1] for line in result.stdout.splitlines() if "generator: " in line), "(no banner line)")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [row[key] for row in rows for key in ("loss", "train/loss") if key in row]
+    print(json.dumps({"family": name, "system": "tandem train", "layers": args.train_layers, "steps": args.train_steps, "generator": generator, "seconds": round(time.perf_counter() - start, 1), "loss": losses}), flush=True)  # fmt: skip
+    if generator != "engine":
+        raise SystemExit(f"{name}: tandem train generated with {generator}, not the engine")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="generate,train")
+    parser.add_argument("--families", default=",".join(SHAPES))
+    parser.add_argument("--agree_prompts", type=int, default=16)
+    parser.add_argument("--agree_tokens", type=int, default=64)
+    parser.add_argument("--train_layers", type=int, default=2)
+    parser.add_argument("--train_steps", type=int, default=1)
+    parser.add_argument("--completion_tokens", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="tandem train with its compiled decoder layers (~1 min more a family)")
+    parser.add_argument("--train_timeout_s", type=float, default=300)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
+    args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    families, parts = args.families.split(","), args.parts.split(",")
+    unknown = set(families) - set(SHAPES)
+    if unknown:
+        raise SystemExit(f"unknown families {sorted(unknown)}; pick from {', '.join(SHAPES)}")
+    start = time.perf_counter()
+    if "generate" in parts:
+        for name in families:
+            bench_generate(name, args)
+    if "train" in parts:
+        work = Path(tempfile.mkdtemp(prefix="tandem-families-"))
+        (work / "reward.py").write_text(REWARD)
+        rng = random.Random(0)
+        letters = "abcdefghijklmnopqrstuvwxyz "
+        (work / "data.jsonl").write_text("".join(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(64))}) + "\n" for _ in range(64)))
+        for name in families:
+            bench_train(name, args, work)
+    print(json.dumps({"bench": "families", "wall_s": round(time.perf_counter() - start, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import asyncio
 import functools
-import json
 import logging
 import socket
 import time
@@ -25,15 +24,11 @@ from tandemrl.generation.base import LocalGenerator
 from tandemrl.server.gate import Busy, Gate
 from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
-from tandemrl.threads import in_daemon_thread
 from tandemrl.types import Completion, SamplingParams
-from tandemrl.weights import channel
+from tandemrl.weights import inbox
 from tandemrl.weights.group import NotStaged, WeightReceiver
 
 log = logging.getLogger(__name__)
-JOIN_SLACK_S = 5.0  # past the group's own timeout, the server stops waiting for torch's rendezvous
-RECEIVE_SLACK_S = 2.0  # past the group's own timeout of no progress, the server gives up on a receive stuck in a collective
-WATCH_S = 0.1  # how often a receive in flight is checked for a stall
 
 
 
@@ -242,20 +237,9 @@ class RolloutService:
         if self.receiver is None:
             raise ValueError("this server has no weight receiver")
         async with self._update_lock:
-            self.receiver.close()
-            # every step of the rendezvous has the deadline, whatever torch does with a silent peer: the
-            # wait is bounded here, and a connect left behind (in a daemon thread) is dropped when it ends
-            connect = in_daemon_thread(functools.partial(self.receiver.connect, spec), name="weight-sync-join")
-            try:
-                group = await asyncio.wait_for(connect, spec["timeout_s"] + JOIN_SLACK_S)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"no weight-sync group at {spec['master_addr']}:{spec['master_port']} within {spec['timeout_s']:g} s "
-                    "(the peer is silent or gone)"
-                ) from None
-            self.receiver.adopt(spec["group_id"], group)
-            if group.staged_channel is not None:  # served until the trainer closes it or this group is dropped
-                task = asyncio.create_task(self.serve_staged_updates(spec["group_id"], group.staged_channel))
+            staged_channel = await inbox.join(self.receiver, spec)
+            if staged_channel is not None:  # served until the trainer closes it or this group is dropped
+                task = asyncio.create_task(self.serve_staged_updates(spec["group_id"], staged_channel))
                 self._channel_tasks.add(task)
                 task.add_done_callback(self._channel_tasks.discard)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
@@ -274,7 +258,7 @@ class RolloutService:
             start = time.perf_counter()
             try:
                 try:
-                    staging = self.receiver.take_staged(staged) if staged else await self._receive(hangup, self.receiver.receive)
+                    staging = self.receiver.take_staged(staged) if staged else await inbox.receive(self.receiver, hangup)
                 except NotStaged:
                     raise
                 except Exception as error:
@@ -304,18 +288,9 @@ class RolloutService:
                  num_bytes / 2**20, seconds, receive_s * 1e3, parts, apply_s * 1e3, mode)  # fmt: skip
 
     async def serve_staged_updates(self, group_id: str, conn: socket.socket) -> None:
-        """Serves group `group_id`'s staged-update channel (CUDA IPC, weights/channel.py) until the trainer
-        closes it or the group is dropped: each announcement makes its version live through update_weights,
-        as a full update's request does, and is answered on the channel."""
-        reader, writer = await asyncio.open_connection(sock=conn)
-        try:
-            while line := await reader.readline():
-                writer.write(channel.encode(await self._staged_update(group_id, json.loads(line))))
-                await writer.drain()
-        except (ConnectionError, ValueError) as error:
-            log.warning("the staged-update channel of weight-sync group %s failed: %s", group_id, error)
-        finally:
-            writer.close()
+        """Serves group `group_id`'s staged-update channel (CUDA IPC): each announcement makes its version
+        live through update_weights, as a full update's request does (weights/inbox.py serves the socket)."""
+        await inbox.serve_channel(group_id, conn, functools.partial(self._staged_update, group_id))
 
     async def _staged_update(self, group_id: str, request: dict[str, Any]) -> dict[str, Any]:
         """The answer to one staged update's announcement: the live version, or why it is not live."""
@@ -329,41 +304,6 @@ class RolloutService:
         except (RuntimeError, OSError, ValueError) as error:
             return {"error": f"weight sync to version {version} failed: {error}; kept version {self.generator.version}"}
         return {"policy_version": self.generator.version, "num_tensors": num_tensors, "num_bytes": num_bytes, "seconds": seconds}
-
-    async def _receive(self, hangup: Awaitable[Any] | None, receive: Callable[[], list]) -> list:
-        """The update's tensors, received (`receive`) in a daemon thread. Given up (the group closed, which aborts its
-        collectives, and the thread left behind) once the trainer hangs up or the receive has made no
-        progress for the group's timeout + RECEIVE_SLACK_S: an NCCL collective whose peer died may never
-        complete, nor return the thread that waits in it, and the server must not wait with it."""
-        assert self.receiver is not None
-        receiving = in_daemon_thread(receive, name="weight-sync-receive")
-        watch = asyncio.ensure_future(self._watch_receive(hangup))
-        try:
-            await asyncio.wait({receiving, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not receiving.done():
-                watch.result()  # raises why the receive is given up
-            return receiving.result()
-        except BaseException:
-            receiving.cancel()  # a late outcome is dropped, never applied
-            self.receiver.close()  # ends the receive's waits; aborts the group in a thread of its own
-            raise
-        finally:
-            watch.cancel()
-
-    async def _watch_receive(self, hangup: Awaitable[Any] | None) -> None:
-        """Raises ConnectionError once the trainer hangs up, TimeoutError once the receive stalls."""
-        assert self.receiver is not None
-        gone = asyncio.ensure_future(hangup) if hangup is not None else None
-        try:
-            while True:
-                if gone is not None and gone.done():
-                    raise ConnectionError("the trainer hung up mid-update (its process died or it gave up)")
-                if self.receiver.stalled_s() > self.receiver.timeout_s + RECEIVE_SLACK_S:
-                    raise TimeoutError(f"no progress for {self.receiver.stalled_s():.0f} s (the trainer died or stalled)")
-                await (asyncio.wait({gone}, timeout=WATCH_S) if gone is not None else asyncio.sleep(WATCH_S))
-        finally:
-            if gone is not None:
-                gone.cancel()
 
     async def _apply(self, staging: list, *, version: int, mode: str) -> None:
         if mode == "pause":  # the generator freezes its running requests between decode steps

@@ -220,9 +220,9 @@ def test_a_receive_stuck_in_a_collective_is_given_up_when_the_trainer_hangs_up_a
 
 
 def test_a_receive_that_makes_no_progress_past_the_groups_timeout_is_given_up(monkeypatch):
-    import tandemrl.server.service as service_module
+    import tandemrl.weights.inbox as inbox
 
-    monkeypatch.setattr(service_module, "RECEIVE_SLACK_S", 0.0)
+    monkeypatch.setattr(inbox, "RECEIVE_SLACK_S", 0.0)
 
     async def scenario():
         receiver = StuckReceiver(timeout_s=0.3)  # a stalled trainer: alive, connected, sending nothing

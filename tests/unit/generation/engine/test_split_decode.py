@@ -51,6 +51,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @needs_triton
+def test_splits_fill_the_multiprocessors_from_host_shapes_only():
+    from tandemrl.generation.engine.layers.attention_kernel import decode_splits
+
+    assert decode_splits(128, 2, 8192, 132) == 3  # 256 programs -> 768, at least 4 a multiprocessor
+    assert decode_splits(64, 2, 8192, 132, programs_per_sm=2) == 3
+    assert decode_splits(512, 2, 8192, 132) == 1  # 1024 programs already: the one-chunk path
+    assert decode_splits(1, 2, 1000, 132) == 4  # no chunk under min_chunk (256) keys
+    assert decode_splits(8, 2, 100, 132) == 1
+
+
+@needs_triton
 @pytest.mark.parametrize("splits, window, softcap", [(1, 0, 0.0), (3, 0, 0.0), (8, 0, 0.0), (3, 150, 5.0)])
 def test_split_decode_kernel_equals_gather_attention(splits, window, softcap):
     from tandemrl.generation.engine.layers.attention import AttentionOptions

@@ -18,8 +18,8 @@ go on to the tokens they would have drawn anyway (sampling noise depends on (see
 
 Tensor parallelism (parallel.py): every rank runs this engine on its shard. The leader (rank 0) takes
 requests; under the step lock it sends each step's new requests and aborts, and every update, sleep and
-wake, to the followers, whose thread (`_follow`) applies them between the same two steps. (Past 500
-lines: the leader's and the follower's sides share the step lock and every state it guards.)
+wake, to the followers, whose thread (follower.py) applies them between the same two steps, under the
+same step lock.
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ import numpy as np
 import torch
 
 from tandemrl.generation.base import EngineConfig
+from tandemrl.generation.engine.follower import Follower
 from tandemrl.generation.engine.kv_cache import BlockManager
 from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
-from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel, from_wire, to_wire
+from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel, to_wire
 from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
+from tandemrl.generation.engine.sizing import num_kv_blocks
 from tandemrl.generation.engine.sleep import DroppableWeights
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.generation.tick import Outbox, TickBatcher
@@ -52,7 +54,6 @@ from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when never alone in one
-CPU_KV_CACHE_TOKENS = 65536  # --kv_cache_tokens 0 on a CPU
 
 
 class Engine:
@@ -104,7 +105,8 @@ class Engine:
                 max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
                 record_routes=config.routing_replay,
             )
-            num_blocks = self._num_kv_blocks() if self.tp is None else self.tp.min(self._num_kv_blocks())  # the same on every rank
+            wanted = num_kv_blocks(config, self.model.config, self.runner, self.device, max_model_len=self.max_model_len)
+            num_blocks = wanted if self.tp is None else self.tp.min(wanted)  # the same on every rank
             self.blocks = BlockManager(num_blocks, config.block_size)
             self.runner.allocate_kv_cache(len(self.blocks.blocks))
 
@@ -139,15 +141,10 @@ class Engine:
         self._num_exclusive = 0
         self._sleeping = False
         self._closed = False
-        self._lost_leader = False
-        self._following: dict[int, Sequence] = {}  # a follower's unfinished sequences by the leader's seq_id
-        self._handed: queue.Queue = queue.Queue(maxsize=1)  # a follower's own weights for the leader's next update
-        self._followed = threading.Condition()  # a follower: the leader's sleeps and wakes applied, and those awaited
-        self._num_applied = {"sleep": 0, "wake": 0}
-        self._num_awaited = {"sleep": 0, "wake": 0}
+        self.follower = Follower(self) if self.is_follower else None  # a follower rank's side (follower.py)
 
     def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._follow if self.is_follower else self._loop, name="tandem-engine", daemon=True)
+        self._thread = threading.Thread(target=self.follower.run if self.follower else self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
     streams_tokens = True  # generate() takes on_token
@@ -194,8 +191,8 @@ class Engine:
         """Full Hugging Face-named tensors; each rank keeps its shard. With tensor parallelism the leader
         decides when: it broadcasts its tensors (tp.broadcast_weights), or each follower's own call hands
         them to its thread, which waits for them when the leader's update comes."""
-        if self.is_follower:
-            await asyncio.to_thread(self._hand_over, weights, version)
+        if self.follower:
+            await asyncio.to_thread(self.follower.hand_over, weights, version)
             return
         await asyncio.to_thread(self._update_weights, weights, version)
 
@@ -218,39 +215,15 @@ class Engine:
         self.blocks.reset_prefix_cache()
         self.version = version
 
-    def _hand_over(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """A follower's own tensors, for the leader's next update (whose version they take); returns once
-        they are loaded."""
-        done = threading.Event()
-        self._handed.put((weights, done), timeout=self.tp.timeout_s)
-        if not done.wait(self.tp.timeout_s):
-            raise TimeoutError(f"the tensor-parallel leader sent no weight update within {self.tp.timeout_s:g} s")
-
-    def _follow_update(self, version: int) -> None:
-        if self.tp.broadcast_weights:
-            self._load_weights(self.tp.shared_weights(None, self.device), version)
-            return
-        weights, done = self._handed.get(timeout=self.tp.timeout_s)
-        try:
-            self._load_weights(weights, version)
-        finally:
-            done.set()
-
     async def sleep(self, level: int) -> None:
         """The leader's sleep and wake reach every rank; on a follower (a colocated trainer's rank) these
         return once the leader's next one has been applied here, so the caller's next GPU work never runs
         while this rank's engine frees its memory or captures its CUDA graphs (a capture fails when another
         thread uses the GPU)."""
-        if self.is_follower:
-            await asyncio.to_thread(self._await_leader, "sleep")
+        if self.follower:
+            await asyncio.to_thread(self.follower.await_leader, "sleep")
         else:
             await asyncio.to_thread(self._sleep, level)
-
-    def _await_leader(self, kind: str) -> None:
-        with self._followed:
-            if not self._followed.wait_for(lambda: self._num_applied[kind] > self._num_awaited[kind] or self._closed, self.tp.timeout_s):
-                raise TimeoutError(f"the tensor-parallel leader sent no {kind} within {self.tp.timeout_s:g} s")
-            self._num_awaited[kind] += 1
 
     def _sleep(self, level: int) -> None:
         """Level 1 frees the KV cache (and the CUDA graphs that address it); level 2 also the weights,
@@ -273,8 +246,8 @@ class Engine:
         self._sleeping = True
 
     async def wake(self) -> None:
-        if self.is_follower:
-            await asyncio.to_thread(self._await_leader, "wake")
+        if self.follower:
+            await asyncio.to_thread(self.follower.await_leader, "wake")
         else:
             await asyncio.to_thread(self._wake_up)
 
@@ -310,7 +283,7 @@ class Engine:
         """A follower: blocks until its leader closes (True), or it cannot follow any more (False: the
         leader is silent or gone, or a message failed here)."""
         self._thread.join()
-        return not self._lost_leader
+        return not self.follower.lost_leader
 
     # --- observability -------------------------------------------------------------------------------
     def num_unfinished(self) -> int:
@@ -370,42 +343,6 @@ class Engine:
             if not run:
                 self._wake.wait(idle_s)
                 self._wake.clear()
-
-    def _follow(self) -> None:
-        """A follower's thread: the leader's messages, each applied under the step lock, until it closes."""
-        with self._on_device():
-            try:
-                while self._follow_one(*self.tp.receive()):
-                    pass
-            except Exception as error:  # noqa: BLE001 - a rank that cannot follow ends; follow() says so
-                log.error("tensor-parallel rank %d stops following its leader: %s: %s", self.tp.rank, type(error).__name__, error)
-                self._closed = self._lost_leader = True
-            finally:
-                with self._followed:  # a caller waiting for the leader's sleep or wake waits no more
-                    self._closed = True
-                    self._followed.notify_all()
-
-    def _follow_one(self, kind: str, *args: Any) -> bool:
-        with self._step_lock:
-            if kind != "tick":
-                self._guarded(self._finish_ahead)
-                try:
-                    {"update": self._follow_update, "sleep": self._sleep_now, "wake": lambda _: self._wake_now()}[kind](args[0])
-                except Exception as error:  # noqa: BLE001 - the leader's same call raised to its caller; this rank goes on
-                    log.warning("tensor-parallel rank %d: %s failed as on the leader: %s: %s", self.tp.rank, kind, type(error).__name__, error)
-                if kind in self._num_applied:
-                    with self._followed:
-                        self._num_applied[kind] += 1
-                        self._followed.notify_all()
-                return True
-            wire, run, closed = args
-            self._apply([from_wire(event, self._following) for event in wire])
-            if closed:
-                self._fail_all(RuntimeError("the engine was closed"))
-                return False
-            if run:
-                self._guarded(self.step)
-            return True
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
@@ -539,36 +476,7 @@ class Engine:
         finally:
             self._outbox.flush()
 
-    # --- sizing and validation -----------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        """What the memory budget allows, but never more than max_num_seqs sequences of max_model_len can
-        hold at once (+ the scratch block): a tiny model on a large GPU would otherwise book millions of
-        blocks (host bookkeeping of seconds, memory the colocated trainer needs) that no batch can use."""
-        config = self.config
-        usable = config.max_num_seqs * -(-self.max_model_len // config.block_size) + 1
-        if self.device.type != "cuda" or config.kv_cache_tokens:  # on a GPU: a size the memory plan (or the user) chose
-            return min(usable, max(2, (config.kv_cache_tokens or CPU_KV_CACHE_TOKENS) // config.block_size + 1))
-        free, total = torch.cuda.mem_get_info(self.device)
-        reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        # head room for activations: the largest prefill (twice with prefill graphs: their pool keeps one
-        # beside the eager path's), and logits + sampler buffers of a full decode batch
-        hidden = self.model.config.hidden_size + 3 * self.model.config.intermediate_size
-        prefill = config.max_num_batched_tokens * hidden * 4 * (2 if self.runner.graph_prefills else 1)
-        activations = prefill + config.max_num_seqs * self.model.config.vocab_size * 4 * 4
-        in_use = total - free - reusable
-        fraction = config.memory_fraction(colocated=False)
-        budget = total * fraction - in_use - activations
-        least = self.max_model_len // config.block_size + 2
-        if budget < least * self.runner.bytes_per_block():
-            gib = 2**30
-            raise ValueError(
-                f"the KV cache gets {max(0.0, budget) / gib:.1f} GiB, less than one sequence of max_model_len {self.max_model_len} needs "
-                f"({least * self.runner.bytes_per_block() / gib:.2f} GiB): --gpu_memory_utilization {fraction} of {total / gib:.0f} GiB, "
-                f"{in_use / gib:.1f} GiB already in use, {activations / gib:.1f} GiB kept for activations; raise --gpu_memory_utilization "
-                "(a fraction of the whole GPU) or lower --max_model_len"
-            )
-        return min(usable, int(budget // self.runner.bytes_per_block()))
-
+    # --- validation ---------------------------------------------------------------------------------
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab_size = self.runner.vocab_size  # a plain int: model.config's goes through transformers' __getattribute__
         if not prompt_ids:

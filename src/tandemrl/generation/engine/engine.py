@@ -47,7 +47,7 @@ from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
 from tandemrl.generation.engine.sequence import Sequence, Status, seed32
 from tandemrl.generation.engine.sizing import num_kv_blocks
-from tandemrl.generation.engine.sleep import DroppableWeights
+from tandemrl.generation.engine.sleep import Residency
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
 from tandemrl.generation.tick import Outbox, TickBatcher
 from tandemrl.types import Completion, SamplingParams
@@ -90,7 +90,6 @@ class Engine:
         source = model if model is not None else config.model
         self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=self.tp)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
-        self.weights = DroppableWeights(self.model)
 
     def _build_device_plane(self) -> None:
         """The runner (forward, sampling, CUDA graphs) and the KV cache, sized by _num_kv_blocks."""
@@ -139,9 +138,10 @@ class Engine:
         self._step_lock = threading.Lock()
         self._cond = threading.Condition()
         self._num_exclusive = 0
-        self._sleeping = False
         self._closed = False
         self.follower = Follower(self) if self.is_follower else None  # a follower rank's side (follower.py)
+        self.residency = Residency(self.model, self.runner, self.blocks, self.scheduler, self.device)  # sleep, wake, weight loading (sleep.py)
+        self.weights = self.residency.weights
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self.follower.run if self.follower else self._loop, name="tandem-engine", daemon=True)
@@ -205,14 +205,7 @@ class Engine:
             self._load_weights(weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        # a list goes as is (the model reuses its plan for one laid out as the last); draining it is a no-op
-        weights = weights if isinstance(weights, list) else iter(weights)
-        try:
-            self.weights.written(self.model.load_weights(weights))
-        finally:  # read to its end even after an error: a broadcast keeps every rank at the same message
-            for _ in weights:
-                pass
-        self.blocks.reset_prefix_cache()
+        self.residency.load(weights)
         self.version = version
 
     async def sleep(self, level: int) -> None:
@@ -234,16 +227,7 @@ class Engine:
             self._sleep_now(level)
 
     def _sleep_now(self, level: int) -> None:
-        if self._sleeping:
-            return
-        self.scheduler.preempt_all()
-        self.blocks.reset_prefix_cache()
-        self.runner.free_kv_cache()
-        if level >= 2:
-            self.weights.drop()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self._sleeping = True
+        self.residency.sleep(level)
 
     async def wake(self) -> None:
         if self.follower:
@@ -258,11 +242,7 @@ class Engine:
             self._wake_now()
 
     def _wake_now(self) -> None:
-        if not self._sleeping:
-            return
-        self.weights.reallocate()  # before the graphs are captured: they hold the weights' addresses
-        self.runner.allocate_kv_cache(len(self.blocks.blocks))
-        self._sleeping = False
+        self.residency.wake()
 
     async def close(self) -> None:
         """Ends the engine thread; a follower's ends when its leader closes (waited for up to tp.timeout_s)."""
@@ -332,7 +312,7 @@ class Engine:
                 events, closed = self._take_inbox(), self._closed  # read once: close() may flip it meanwhile
                 self._apply(events)
                 # after a level-2 sleep nothing runs until every weight is back (never a step on zeros)
-                run = not closed and not self._sleeping and not self.weights.missing and self.scheduler.num_unfinished() > 0
+                run = not closed and self.residency.ready and self.scheduler.num_unfinished() > 0
                 if self.tp is not None:
                     self.tp.send(("tick", [to_wire(event) for event in events], run, closed))
                 if closed:

@@ -1,4 +1,5 @@
-"""What sleep level 2 frees besides the KV cache: the engine's weights, with no copy kept anywhere.
+"""What the engine holds on its device, and when: sleep (level 1 the KV cache, level 2 the weights too,
+with no copy kept anywhere), wake, and the weight updates that write the weights (and refill them).
 
 Each weight's storage is resized to 0 bytes and, on wake, back to its size (zeroed), so every tensor
 object and view survives; the bytes come back through the next weight updates, by Hugging Face name,
@@ -6,6 +7,9 @@ from the trainer. Invariant: the engine runs no step while a weight is `missing`
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,3 +44,50 @@ class DroppableWeights:
 
     def written(self, names: set[str]) -> None:
         self.missing -= names
+
+
+class Residency:
+    """The engine's part for sleep, wake and weight loading; the engine calls it between steps, under its
+    step lock. Level 1 frees the KV cache (and the CUDA graphs that address it); level 2 also the weights,
+    which the next weight updates refill; a wake allocates both again (zeros until the updates arrive)."""
+
+    def __init__(self, model: nn.Module, runner: Any, blocks: Any, scheduler: Any, device: torch.device) -> None:
+        self.model, self.runner, self.blocks, self.scheduler, self.device = model, runner, blocks, scheduler, device
+        self.weights = DroppableWeights(model)
+        self.asleep = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether a step may run: awake, and every weight written (never a step on zeros)."""
+        return not self.asleep and not self.weights.missing
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full Hugging Face-named tensors into the model (each rank keeps its shard); the prefix cache is
+        reset, since its blocks hold another version's keys and values."""
+        # a list goes as is (the model reuses its plan for one laid out as the last); draining it is a no-op
+        weights = weights if isinstance(weights, list) else iter(weights)
+        try:
+            self.weights.written(self.model.load_weights(weights))
+        finally:  # read to its end even after an error: a broadcast keeps every rank at the same message
+            for _ in weights:
+                pass
+        self.blocks.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        if self.asleep:
+            return
+        self.scheduler.preempt_all()
+        self.blocks.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if level >= 2:
+            self.weights.drop()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        self.weights.reallocate()  # before the graphs are captured: they hold the weights' addresses
+        self.runner.allocate_kv_cache(len(self.blocks.blocks))
+        self.asleep = False

@@ -12,8 +12,11 @@ trainer; each setting's SamplingParams and trainer temperature come from `TrainC
     python bench/sampling.py                                          # H200: 0.5B shape, 32 x 8, 128 new tokens, 4 steps
     python bench/sampling.py --device cpu --shape tiny --prompts 4 --generations 4 --completion_len 16 --steps 2   # CPU
 
-`tokens_per_s` (trained tokens / step time, the steps after the first) lets bench/ab.py compare step
-time before and after on the same settings.
+`tokens_per_s` (sampled tokens / step time, the steps after the first) lets bench/ab.py compare step
+time before and after on the same settings (it runs on trees from before the Plan too):
+
+    python bench/ab.py --export 835d994 _ab/before
+    python bench/ab.py --trees before=_ab/before/src,after=src --rounds 2 -- python bench/sampling.py --settings defaults,top_p_0.9
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step import Collect, LengthTokenizer  # noqa: E402
 from sync import SHAPES, save_model  # noqa: E402
 
+OLD_NAMES = {"sampling/sampling_logp_difference/mean": "train/logprob_mismatch", "rollout/generate_s": "time/generate"}
 SETTINGS = {
     "defaults": [],
     "generation_kwargs_temperature_0.7": ["--generation_kwargs", '{"temperature": 0.7}'],
@@ -49,14 +53,20 @@ def build_parts(args, model_dir: str):
     from tandemrl.algo.presets import AlgoConfig
     from tandemrl.data.cursor import PromptCursor
     from tandemrl.generation.base import EngineConfig
-    from tandemrl.generation.factory import build_generator
-    from tandemrl.pipeline.parts import LoopParts
     from tandemrl.rewards.base import RewardFunc
     from tandemrl.train.config import TrainerConfig
     from tandemrl.train.trainer import Trainer
     from tandemrl.types import Example, SamplingParams
     from tandemrl.weights.base import LocalSyncConfig
-    from tandemrl.weights.factory import build_weight_sync
+
+    try:  # this tree's homes; the fallbacks let bench/ab.py run the bench on a tree from before them
+        from tandemrl.generation.factory import build_generator
+        from tandemrl.pipeline.parts import LoopParts
+        from tandemrl.weights.factory import build_weight_sync
+    except ImportError:
+        from tandemrl.generation.base import build_generator
+        from tandemrl.pipeline.loop import LoopParts
+        from tandemrl.weights.base import build_weight_sync
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     algo = AlgoConfig(max_completion_length=args.completion_len, drop_zero_variance_groups=False)
@@ -83,16 +93,15 @@ def build_parts(args, model_dir: str):
 async def measure(parts, args) -> list[dict]:
     from tandemrl.cli.train import parse
     from tandemrl.pipeline import loop
-    from tandemrl.pipeline.loop import publish_policy, run_loop
-    from tandemrl.pipeline.settings import LoopSettings
+    from tandemrl.pipeline.loop import LoopSettings, publish_policy, run_loop
 
     loop._should_save = lambda settings, step: False  # a benchmark writes no checkpoints
     await publish_policy(parts)
     results = []
     for name in args.settings:
-        plan = parse([*SETTINGS[name], "--max_completion_length", str(args.completion_len)])[0].resolve()
-        parts.params = dataclasses.replace(plan.sampling, ignore_eos=True)  # what the sampler draws from
-        parts.trainer.temperature = plan.sampling.temperature  # what the trainer scores under (cli/build.py's rule)
+        sampling = resolved_sampling(parse([*SETTINGS[name], "--max_completion_length", str(args.completion_len)])[0])
+        parts.params = dataclasses.replace(sampling, ignore_eos=True)  # what the sampler draws from
+        parts.trainer.temperature = sampling.temperature  # what the trainer scores under (cli/build.py's rule)
         start = parts.trainer.policy_version
         settings = LoopSettings(
             max_steps=start + args.steps, num_prompts_per_step=args.prompts, num_generations=args.generations, scale_rewards="group",
@@ -102,12 +111,14 @@ async def measure(parts, args) -> list[dict]:
         await run_loop(parts, settings, start_step=start)
         rows = parts.logger.rows
         timed = rows[1:] or rows  # the first step of a setting compiles and warms up
-        mean = lambda key, rows=rows: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+        # a metric's name, or its name on a tree from before TRL's names (bench/ab.py's "before")
+        value = lambda r, key: r[key] if key in r else r[OLD_NAMES[key]]  # noqa: E731
+        mean = lambda key, rows=rows: sum(value(r, key) for r in rows) / len(rows)  # noqa: E731
         step_s = mean("step_time", timed)
         tokens = args.prompts * args.generations * args.completion_len
         result = {
-            "bench": "sampling", "setting": name, "shape": args.shape, "steps": len(rows), "temperature": plan.sampling.temperature,
-            "top_p": plan.sampling.top_p, "top_k": plan.sampling.top_k, "min_p": plan.sampling.min_p,
+            "bench": "sampling", "setting": name, "shape": args.shape, "model": args.shape, "workload": name, "steps": len(rows), "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
             "kl_lag0": mean("train/logprob_mismatch_kl_lag0"), "kl_lag0_max": max(r["train/logprob_mismatch_kl_lag0"] for r in rows),
             "logprob_mismatch": mean("sampling/sampling_logp_difference/mean"), "step_s": round(step_s, 4), "gen_s": round(mean("rollout/generate_s", timed), 4),
             "train_s": round(mean("time/train", timed), 4), "tokens_per_s": round(tokens / step_s, 1),
@@ -115,6 +126,15 @@ async def measure(parts, args) -> list[dict]:
         print(json.dumps(result), flush=True)
         results.append(result)
     return results
+
+
+def resolved_sampling(config):
+    """The run's SamplingParams as `tandem train` resolves them (a tree from before the Plan: cli/build's)."""
+    if hasattr(config, "resolve"):
+        return config.resolve().sampling
+    from tandemrl.cli.build import _sampling
+
+    return _sampling(config)
 
 
 def main() -> None:

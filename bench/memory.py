@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 SHAPES = {
@@ -109,6 +110,7 @@ def one(args) -> None:
         run_dir = build.run(config)
     except Exception as error:  # noqa: BLE001 - the line says why the run did not train
         out["error"] = f"{type(error).__name__}: {error}"[:2000]
+        out["where"] = traceback.format_exc()[-3000:]  # the frames that raised, for a failure seen only on a GPU
         print(json.dumps(out), flush=True)
         return
     out["wall_s"] = round(time.perf_counter() - started, 1)

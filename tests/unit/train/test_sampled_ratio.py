@@ -29,13 +29,14 @@ KNOBS = {
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
-def sampled_and_scored(flags: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+def sampled_and_scored(flags: list[str], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(sampler logprobs, trainer logprobs, trainer logprobs without the floors) [T] of the trained tokens,
-    and whether the sampler filtered."""
-    config, _ = parse([*flags, "--device", "cpu", "--max_completion_length", "24", "--num_prompts_per_step", "2", "--num_generations", "2"])
+    and whether the sampler filtered. Float32 on both sides (on a GPU too: the engine's CUDA path, the
+    trainer without its bf16 twin)."""
+    config, _ = parse([*flags, "--device", device, "--no-bf16", "--max_completion_length", "24", "--num_prompts_per_step", "2", "--num_generations", "2"])
     plan = config.resolve()
     tokenizer, model = _policy(config, None)
-    generator = build_generator(plan.generator, model=model, tokenizer=tokenizer)
+    generator = build_generator(dataclasses.replace(plan.generator, dtype="float32"), model=model, tokenizer=tokenizer)
 
     async def sample() -> list:
         return await asyncio.gather(*(generator.generate(p, plan.sampling.with_seed(seed)) for seed, p in enumerate(PROMPTS * 2)))
@@ -51,11 +52,11 @@ def sampled_and_scored(flags: list[str]) -> tuple[torch.Tensor, torch.Tensor, to
         trace.append_sampled(completion)
         traces.append(trace)
     trainer = Trainer(config.trainer, config.algo, model, max_steps=1, temperature=plan.sampling.temperature)
-    m = pack(traces, [0.0] * len(traces))
+    m = pack(traces, [0.0] * len(traces), model.device)
     with torch.no_grad():
         scored = trainer.plan.logprobs(model, m, temperature=trainer.temperature, chunk_size=16, with_entropy=False)[0]
         plain = trainer.plan.logprobs(model, dataclasses.replace(m, logit_floors=None), temperature=trainer.temperature, chunk_size=16, with_entropy=False)[0]
-    return m.behaviour_logprobs[m.trained_index], scored, plain, m.logit_floors is not None
+    return m.behaviour_logprobs[m.trained_index].cpu(), scored.cpu(), plain.cpu(), m.logit_floors is not None
 
 
 @pytest.mark.parametrize("flags", KNOBS.values(), ids=KNOBS.keys())
@@ -65,3 +66,16 @@ def test_the_trainers_ratio_of_a_just_sampled_token_is_one(flags):
     torch.testing.assert_close(torch.exp(trainer - sampler), torch.ones_like(sampler), rtol=0, atol=1e-5)
     if filtered:  # without the floors the trainer scores the whole vocabulary: the ratio is not 1
         assert (torch.exp(untruncated - sampler) - 1).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [KNOBS["top_p"], KNOBS["top_k"], KNOBS["min_p"], KNOBS["all at once"]], ids=["top_p", "top_k", "min_p", "all"])
+def test_on_a_gpu_the_engines_floors_reach_the_trainer_through_its_graphs_and_pinned_copies(flags):
+    """The CUDA engine (decode graphs, then the filtered rows resampled; floors copied through pinned memory)
+    and the CUDA trainer (the Triton head where triton is), float32: the ratio is 1 as on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    sampler, trainer, untruncated, filtered = sampled_and_scored(flags, device="cuda")
+    assert filtered
+    torch.testing.assert_close(torch.exp(trainer - sampler), torch.ones_like(sampler), rtol=0, atol=1e-4)
+    assert (torch.exp(untruncated - sampler) - 1).abs().max() > 1e-2

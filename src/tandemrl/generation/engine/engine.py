@@ -106,7 +106,7 @@ class Engine:
             )
             wanted = num_kv_blocks(config, self.model.config, self.runner, self.device, max_model_len=self.max_model_len)
             num_blocks = wanted if self.tp is None else self.tp.min(wanted)  # the same on every rank
-            self.blocks = BlockManager(num_blocks, config.block_size)
+            self.blocks = BlockManager(num_blocks, config.block_size, window=self.model.family.freeable_window)
             self.runner.allocate_kv_cache(len(self.blocks.blocks))
 
     def _build_control_plane(self) -> None:

@@ -2,7 +2,10 @@
 
 Invariants: a block is in exactly one of `free` or in use (ref_count > 0); a full block's hash is the
 hash of every token up to its end, so a hit on block i implies hits on blocks 0..i-1; block 0 is a
-scratch block never handed out (padded rows of a CUDA graph write their KV there). After a weight
+scratch block never handed out (padded rows of a CUDA graph write their KV there). With a `window` W
+(a model whose every layer attends to its last W tokens: Mistral, Phi-3), a running sequence's blocks that
+every later query is past are freed as it decodes, their table entries replaced by block 0 (read only
+where attention masks them out). After a weight
 update `reset_prefix_cache` forgets every hash, so no later request reuses KV of old weights.
 A sequence's decoded blocks are hashed when it leaves (finished or preempted), once every position
 of the block has its KV, so the next turn of a conversation (prompt + this completion + more) reuses
@@ -33,9 +36,10 @@ class Block:
 class BlockManager:
     """Hands out blocks to sequences; a full prompt block seen before is shared instead of recomputed."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, window: int = 0) -> None:
         assert num_blocks >= 2, "the KV cache needs at least 2 blocks"
         self.block_size = block_size
+        self.window = window  # > 0: every layer sees only its last `window` tokens: older blocks are freed
         self.blocks = [Block(i) for i in range(num_blocks)]
         # free blocks in LRU order; a freed block keeps its hash and may be revived by a later hit
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -155,6 +159,8 @@ class BlockManager:
         if seq.cache_epoch == self.epoch:
             self._hash_written_blocks(seq)
         for block_id in reversed(seq.block_table):
+            if block_id == NULL_BLOCK:  # freed already, out of the window
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -170,6 +176,9 @@ class BlockManager:
         size, parent, written = self.block_size, 0, seq.num_tokens - 1
         num_full = min(written // size, len(seq.block_table))
         for i in range(num_full):
+            if seq.block_table[i] == NULL_BLOCK:  # freed out of the window: the chain goes on past it
+                parent = hash((parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1:
                 parent = block.hash
@@ -193,6 +202,23 @@ class BlockManager:
         """Room up to position num_tokens - 1 + ahead (ahead 1: the decode after the next one)."""
         if len(seq.block_table) * self.block_size < seq.num_tokens + ahead:
             seq.block_table.append(self.take_fresh())
+        if self.window:
+            self._free_out_of_window(seq)
+
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Frees the blocks of `seq` no query from now on sees: the next query is at position num_tokens - 1
+        and sees positions past num_tokens - 1 - W, so block i is done once (i + 1) * size <= num_tokens - W.
+        From the newest such block back to the first already freed: O(1) a step.
+        Example: size 4, W 6, 15 tokens -> blocks 0 and 1 freed (positions 0-7; the next query sees 9-14)."""
+        table = seq.block_table
+        i = min((seq.num_tokens - self.window) // self.block_size, len(table) - 1) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            block = self.blocks[table[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+            table[i] = NULL_BLOCK
+            i -= 1
 
     def reset_prefix_cache(self) -> None:
         """Forgets every hash. It runs at every weight update, so it costs O(cached blocks), not O(blocks):

@@ -439,3 +439,28 @@ def test_a_request_that_breaks_decode_steps_fails_alone(family_dirs, monkeypatch
     assert isinstance(failed, RuntimeError) and "device assert" in str(failed)
     assert [c.token_ids for c in completions] == [c.token_ids for c in alone]
     run(engine.close())
+
+
+def test_a_model_windowed_on_every_layer_frees_old_blocks_and_still_equals_transformers(family_dirs):
+    """Mistral (window 6 on every layer), blocks of 4: decoding long completions holds a few blocks per
+    sequence, not its whole context, and the tokens stay transformers'; a next turn over the freed turn too."""
+    model_dir = family_dirs["mistral"]
+    engine = make_engine(model_dir, block_size=4)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert engine.blocks.window == WINDOW
+    prompts = [list(range(5 + i, 25 + i)) for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    total, lowest = engine.blocks.num_free_blocks, [engine.blocks.num_free_blocks]
+
+    async def watched():
+        return await asyncio.gather(*(engine.generate(p, params, on_token=lambda _: lowest.append(engine.blocks.num_free_blocks)) for p in prompts))
+
+    completions = run(watched())
+    late = lowest[len(lowest) // 2 :]  # past the prompts' blocks, which a prefill holds whole
+    assert total - min(late) <= 3 * (WINDOW // 4 + 3) < 3 * (20 + 40) // 4  # a window's blocks each, not a context's
+    assert engine.blocks.num_free_blocks == total
+    turns = [p + c.token_ids + [7, 8, 9] for p, c in zip(prompts, completions)]
+    for prompt, completion in zip(prompts + turns, completions + list(run(gather(engine, turns, params)))):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert completion.token_ids == expected[0, len(prompt) :].tolist()
+    run(engine.close())

@@ -186,3 +186,36 @@ def test_contexts_that_only_end_alike_are_not_leader_and_follower():
     assert batch.num_new_tokens == [22, 22, 0]  # `same` follows `first`; `other` computes its own context
     assert batch.sample_rows == [0, 1, 0]
     assert other.block_table[0] != first.block_table[0] and same.block_table[:5] == first.block_table[:5]
+
+
+def test_a_window_frees_the_blocks_every_later_query_is_past_and_each_block_once():
+    """Window 6, blocks of 4: decoding frees block i once (i + 1) * 4 <= num_tokens - 6; a block shared with
+    another sequence only loses a reference; leaving frees the rest once, and hashes what it still holds."""
+    blocks = BlockManager(num_blocks=12, block_size=4, window=6)
+    prompt = list(range(12))
+    first, second = seq(prompt + [50]), seq(prompt + [60])
+    blocks.allocate(first)
+    blocks.allocate(second)  # shares blocks 0-2 of the prompt
+    shared = first.block_table[:3]
+    free_before = blocks.num_free_blocks
+    blocks.may_append(first)  # 13 tokens: (13 - 6) // 4 = 1 -> block 0 done
+    assert first.block_table[0] == NULL_BLOCK and first.block_table[1:3] == shared[1:]
+    assert blocks.blocks[shared[0]].ref_count == 1 and blocks.num_free_blocks == free_before  # still second's
+    for token in range(70, 80):
+        first.token_ids.append(token)
+        blocks.may_append(first)
+    # 23 tokens: (23 - 6) // 4 = 4 -> blocks 0-3 (positions 0-15) done; the next query, at 22, sees 17-22
+    assert first.num_tokens == 23 and len(first.block_table) == 6
+    assert first.block_table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in first.block_table[4:]
+    blocks.deallocate(second)
+    blocks.deallocate(first)
+    assert blocks.num_free_blocks == 11  # every block back exactly once (block 0 never handed out)
+    assert all(b.ref_count == 0 for b in blocks.blocks)
+
+
+def test_without_a_window_nothing_is_freed_while_decoding():
+    blocks = BlockManager(num_blocks=12, block_size=4)
+    s = seq(list(range(30)))
+    blocks.allocate(s)
+    blocks.may_append(s)
+    assert NULL_BLOCK not in s.block_table

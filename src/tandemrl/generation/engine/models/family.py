@@ -58,6 +58,12 @@ class Family:
     rope_layer_types: tuple[str | None, ...]  # the RoPE tables: one per layer type with its own (Gemma 3: two)
     layers: tuple[Layer, ...]
 
+    @property
+    def freeable_window(self) -> int:
+        """The window every layer has (0 when a layer sees its whole context): the KV cache frees what falls out of it."""
+        windows = [layer.attention.window for layer in self.layers]
+        return min(windows) if windows and all(windows) else 0
+
     @staticmethod
     def of(config: Any) -> Family:
         """The family of a transformers config; ValueError (the reason) when the engine cannot run it."""

@@ -140,12 +140,13 @@ def test_group_of_equal_prompts_prefills_the_prompt_once(family_dirs):
     run(engine.close())
 
 
-def test_shared_prefix_gives_the_same_tokens_as_no_sharing(family_dirs):
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "smollm3-yarn", "phi3-longrope"])
+def test_shared_prefix_gives_the_same_tokens_as_no_sharing(family_dirs, name):
     prompt = list(range(40, 72))  # exactly two blocks: the follower shares every block
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
-    shared = make_engine(family_dirs["qwen2"])
+    shared = make_engine(family_dirs[name])
     together = run(gather(shared, [prompt] * 4, params))
-    alone = [run(make_engine(family_dirs["qwen2"]).generate(prompt, p)) for p in params]
+    alone = [run(make_engine(family_dirs[name]).generate(prompt, p)) for p in params]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
@@ -373,11 +374,12 @@ def test_first_tokens_of_many_seeded_requests_follow_the_softmax(family_dirs):
     run(engine.close())
 
 
-def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(family_dirs):
+@pytest.mark.parametrize("name", ["qwen2", "gemma3_text", "olmo2"])  # (a model windowed on every layer frees blocks: test above)
+def test_a_next_turn_reuses_the_decoded_blocks_of_the_last_and_matches_no_reuse(family_dirs, name):
     """Multi-turn: turn 2's prompt is turn 1's prompt + completion + more; every position turn 1 wrote
     (its decoded full blocks, and the written head of its last block) is reused, and turn 2's tokens
     equal those of an engine with nothing cached."""
-    engine, fresh = make_engine(family_dirs["qwen2"], block_size=4), make_engine(family_dirs["qwen2"], block_size=4)
+    engine, fresh = make_engine(family_dirs[name], block_size=4), make_engine(family_dirs[name], block_size=4)
     try:
         prompt = engine.tokenizer.encode("the answer is")
         first = run(engine.generate(prompt, SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)))

@@ -15,7 +15,7 @@ from tandemrl.types import SamplingParams
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3-untied"])  # a tied and an untied head
+@pytest.mark.parametrize("family", ["qwen2", "llama3-untied", "phi3-longrope", "gemma3_text", "olmo2"])  # tied and untied heads; fused checkpoint names; norms of each kind
 def test_level_2_frees_the_weights_and_generates_only_once_all_are_refilled(family_dirs, family):
     engine = Engine(EngineConfig(model=family_dirs[family], device="cpu", kv_cache_tokens=1024))
     weights = dict(weights_of(family_dirs[family]))

@@ -133,7 +133,7 @@ class ModelRunner:
         self.paged_prefill = True
         self.pad_prefills = True  # varlen prefills run padded_num_tokens rows (bench/prefill.py turns it off for its baseline)
         attn = model.model.layers[0].self_attn
-        self.tile_queries = prefill_tile_queries(attn.num_heads, attn.num_kv_heads)
+        self.tile_queries = prefill_tile_queries(attn.num_heads, attn.num_kv_heads, attn.head_dim)
         # graphs of the paged prefill's forward (prefill_graphs.py): padded 16-bit prefills with CUDA graphs,
         # not under tensor parallelism (a capture per rank at once, unproven); bench/prefill.py turns them off
         self.graph_prefills = self.use_graphs and self.varlen_prefill and model.tp is None

@@ -123,6 +123,7 @@ def test_paged_prefill_metadata_is_the_docstring_example():
     real = [(b, s) for b, s in zip(meta.tile_seqs.tolist(), meta.tile_starts.tolist()) if b < 2]
     assert real == [(0, 0), (0, 16), (1, 0)] and len(meta.tile_seqs) == 4
     assert [prefill_tile_queries(h, k) for h, k in ((14, 2), (12, 2), (32, 8), (4, 4), (64, 2))] == [16, 16, 32, 128, 16]
+    assert prefill_tile_queries(8, 4, 256) == 32 and prefill_tile_queries(8, 4, 128) == 64
     from tandemrl.generation.engine.layers.attention import prefill_tiles
 
     seqs, firsts = prefill_tiles(torch.tensor([20, 0, 3]), 23, 16)  # a sequence without queries has no tile

@@ -309,11 +309,14 @@ def varlen_metadata(
     )
 
 
-def prefill_tile_queries(num_heads: int, num_kv_heads: int) -> int:
+def prefill_tile_queries(num_heads: int, num_kv_heads: int, head_dim: int = 128) -> int:
     """Queries of one sequence a paged prefill program computes: 128 rows of (query, query head of one
-    key/value head's group, padded to a power of two), 16 queries at least. Example: 14 heads over 2 -> 16."""
+    key/value head's group, padded to a power of two), 16 queries at least; half the rows for a head dim
+    over 128 (Gemma's 256: a program's rows x D accumulator stays the size of 128 x 128's).
+    Example: 14 heads over 2 -> 16; 8 over 4 at head dim 256 -> 32."""
     group_rows = 1 << (num_heads // num_kv_heads - 1).bit_length()
-    return max(16, 128 // group_rows)
+    rows = 128 if head_dim <= 128 else 64
+    return max(16, rows // group_rows)
 
 
 def paged_prefill_metadata(

@@ -135,7 +135,8 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, block_size: int, *, options=None,
-    splits: int | None = None, tile: int = 64, min_chunk: int = 256, programs_per_sm: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    splits: int | None = None, tile: int | None = None, min_chunk: int = 256, programs_per_sm: int | None = None, num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> Tensor:  # fmt: skip
     """q [B, H, D] (one query per sequence), caches [S, K, D], block_tables [B, M] -> [B, H, D].
     `options`: the layer's AttentionOptions (None: scale D ** -0.5, no window, no cap).
@@ -149,6 +150,9 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     groups = num_heads // num_kv_heads
     scale, window, softcap = (dim**-0.5, 0, 0.0) if options is None else (options.scale, options.window, options.softcap)
+    # a head dim over 128 (Gemma's 256): half the keys a stage, one stage less, so the staged k and v tiles
+    # stay within an SM's shared memory (64 keys x 256 x 2 bytes x k and v x 3 stages would not)
+    tile, num_stages = tile or (64 if dim <= 128 else 32), num_stages or (3 if dim <= 128 else 2)
     if splits is None:
         span = block_tables.shape[1] * block_size if window == 0 else min(window, block_tables.shape[1] * block_size)
         per_sm = programs_per_sm or (4 if dim <= 64 else 2)

@@ -155,6 +155,8 @@ def bench_generate(name: str, args) -> None:
     hf_s = time.perf_counter() - start
     hf_tps = num_prompts * new_tokens / hf_s
     print(json.dumps({"family": name, "system": "transformers generate", "parameters_b": round(parameters_b, 2), "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(hf_s, 2), "tokens_per_s": round(hf_tps, 1)}), flush=True)  # fmt: skip
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()  # transformers' cache memory back, before the engine sizes its KV cache from what is free
     engine = engine_for(model, 128 + max(new_tokens, args.agree_tokens), max(num_prompts, args.agree_prompts))
     engine_generate(engine, prompts[:64], 16, greedy=False)  # warm: Triton kernels compile (graphs were captured at start)
     start = time.perf_counter()

@@ -135,6 +135,9 @@ class GenerationConfig:
     """Server mode: rollout server URLs, e.g. http://127.0.0.1:8000 (several = data-parallel rollout)."""
     rollout_server_timeout: float = _REMOTE.rollout_server_timeout
     """Server mode: seconds to wait for the servers to be ready before one clear error."""
+    rollout_server_silence_s: float = _REMOTE.rollout_server_silence_s
+    """Server mode: a server that answers nothing, not even /health, this long while the trainer waits on it
+    (stopped, hung, cut off) is given up: its requests go to another server, or the run ends with one line."""
     api_key: str | None = None
     """Server mode (and --reward_model_url): the servers' bearer token (default: env TANDEM_API_KEY); never
     saved or logged."""
@@ -176,6 +179,8 @@ class GenerationConfig:
         if self.max_staleness > 0 and self.sleep_level > 0:
             raise ValueError("--max_staleness > 0 generates while training, so the engine cannot sleep then; use --sleep_level 0")
         self.hf_generation_kwargs()
+        if not 0 < self.rollout_server_silence_s < float("inf"):  # NaN fails too
+            raise ValueError(f"--rollout_server_silence_s must be a number of seconds > 0, got {self.rollout_server_silence_s}")
         if self.rollout_mode == "server" and not self.rollout_server_urls:
             raise ValueError("--rollout_mode server needs --rollout_server_urls http://HOST:PORT [...]")
 
@@ -328,7 +333,10 @@ def _generator(config: TrainConfig, sizing: EngineSizing | None) -> GeneratorCon
     """The policy's backend, per --rollout_mode and --generator; colocated on --generator_device, else --device."""
     g = config.generation
     if g.rollout_mode == "server":
-        return RemoteConfig(urls=tuple(g.rollout_server_urls), api_key=resolve_api_key(g.api_key), rollout_server_timeout=g.rollout_server_timeout)
+        return RemoteConfig(
+            urls=tuple(g.rollout_server_urls), api_key=resolve_api_key(g.api_key), rollout_server_timeout=g.rollout_server_timeout,
+            rollout_server_silence_s=g.rollout_server_silence_s,
+        )
     device = g.generator_device or config.trainer.device
     if sizing is None:
         return HFConfig(device=device, generation_kwargs=g.hf_generation_kwargs())
@@ -342,7 +350,10 @@ def _judge(config: TrainConfig) -> GeneratorConfig | None:
     j = config.judge
     if j.reward_model_url:
         key = resolve_api_key(config.generation.api_key)
-        return RemoteConfig(urls=(j.reward_model_url,), api_key=key, rollout_server_timeout=config.generation.rollout_server_timeout)
+        return RemoteConfig(
+            urls=(j.reward_model_url,), api_key=key, rollout_server_timeout=config.generation.rollout_server_timeout,
+            rollout_server_silence_s=config.generation.rollout_server_silence_s,
+        )
     if j.reward_model:
         return EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=JUDGE_MEMORY_FRACTION)
     return None

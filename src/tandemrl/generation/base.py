@@ -158,6 +158,9 @@ class RemoteConfig:
     """Seconds one generate request may take before it fails."""
     max_retries: int = 4
     """Retries of a request whose connection failed (backoff 0.25 s, doubling), within request_timeout_s."""
+    rollout_server_silence_s: float = 30.0
+    """Seconds a server may answer nothing, not even /health, while a call to it is in flight: then its
+    calls go to another server, or fail with one clear error (a stopped or hung server)."""
 
 
 GeneratorConfig = HFConfig | EngineConfig | RemoteConfig

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from tandemrl.generation.remote.liveness import SilentServer
 from tandemrl.threads import in_daemon_thread
 from tandemrl.weights import ipc
 from tandemrl.weights.base import DistributedSyncConfig
@@ -130,10 +131,11 @@ class DistributedSync:
             if updates.done() and updates.exception() is not None:
                 cancel.set()
                 # the send polls `cancel`; one stuck in a collective on the dead server is left behind (the
-                # group is aborted by the caller)
-                await asyncio.wait({send}, timeout=CANCEL_GRACE_S)
-                if send.done() and isinstance(send.exception(), NotStarted):
-                    raise send.exception()  # the server's answer (not in this group): form it again
+                # group is aborted by the caller). A silent server says nothing more: no grace, no new group
+                if not isinstance(updates.exception(), SilentServer):
+                    await asyncio.wait({send}, timeout=CANCEL_GRACE_S)
+                    if send.done() and isinstance(send.exception(), NotStarted):
+                        raise send.exception()  # the server's answer (not in this group): form it again
                 send.cancel()
                 updates.result()
             await send

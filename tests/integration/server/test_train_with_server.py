@@ -73,3 +73,38 @@ def test_a_rollout_server_that_dies_mid_training_ends_the_run_with_one_line(tiny
     finally:
         trainer.kill()
         server.stop()
+
+
+def test_a_frozen_rollout_server_ends_the_run_with_one_line_within_the_silence_deadline(tiny_model_dir, tmp_path):
+    """SIGSTOP: the server's sockets stay open (connections are accepted, nothing is answered), so no
+    connection error comes. --rollout_server_silence_s after its last answer the run ends with one line
+    naming the server, whatever the trainer was waiting on (a generation or a weight update)."""
+    import signal
+    import time
+
+    server = start_server(tiny_model_dir, backend="engine")
+    args = [
+        sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--rollout_mode", "server",
+        "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
+        "--rollout_server_silence_s", "4", "--output_dir", str(tmp_path), "--max_steps", "500",
+        "--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4", "--max_prompt_length", "64",
+    ]  # fmt: skip
+    trainer = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
+            time.sleep(0.2)
+        server.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = trainer.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped
+        assert trainer.returncode == 1, stderr[-3000:]
+        assert elapsed < 4 + 15, elapsed  # the deadline, then the run's exit (the weight-sync group's release: <= 10 s)
+        assert "Traceback" not in stderr, stderr[-3000:]
+        errors = [line for line in stderr.splitlines() if line.startswith("tandem train: error")]
+        assert len(errors) == 1 and server.url.split("//")[1] in errors[0] and "answered nothing for 4 s" in errors[0], stderr[-3000:]
+    finally:
+        trainer.kill()
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()

@@ -4,7 +4,8 @@ the in-process engine would; results come back as NDJSON lines, each resolving i
 
 Invariants: each call resolves once; a retry (connection error, 503, a cut answer) resends only the
 unresolved items under their ids, so a server aborts a superseded run instead of running it twice;
-a cancelled call is aborted on its server; nothing waits past request_timeout_s.
+a cancelled call is aborted on its server; nothing waits past request_timeout_s, nor past
+rollout_server_silence_s of a server's silence (liveness.py: its calls go to another server, or fail).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 
 from tandemrl.generation.base import RemoteConfig
+from tandemrl.generation.remote.liveness import Liveness, SilentServer
 from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import Completion
 
@@ -49,8 +51,8 @@ class Call:
 
 
 class Batcher:
-    def __init__(self, http: httpx.AsyncClient, urls: list[str], config: RemoteConfig):
-        self._http, self.urls, self.config = http, urls, config
+    def __init__(self, http: httpx.AsyncClient, urls: list[str], config: RemoteConfig, liveness: Liveness):
+        self._http, self.urls, self.config, self._liveness = http, urls, config, liveness
         self._in_flight = dict.fromkeys(urls, 0)
         self._down_until = dict.fromkeys(urls, 0.0)
         self._turn = itertools.count()
@@ -126,7 +128,12 @@ class Batcher:
             url = live[0].url
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                    problem = await self._stream(url, live, deadline)
+                    problem = await self._liveness.watch(url, self._stream(url, live, deadline))
+            except SilentServer as error:  # elsewhere if another server is up, else the calls fail now
+                self._down_until[url] = time.monotonic() + self.config.rollout_server_silence_s
+                if all(until > time.monotonic() for until in self._down_until.values()):
+                    return _fail(live, error)
+                problem = str(error)
             except (TimeoutError, httpx.TimeoutException):
                 return _fail(live, TimeoutError(f"rollout server {url} gave no answer within request_timeout_s={self.config.request_timeout_s}"))
             except httpx.TransportError as error:

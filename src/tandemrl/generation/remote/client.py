@@ -4,7 +4,8 @@ calls that announce a weight update (the tensors travel in weights/, which uses 
 The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
 async callers await the same work. The calls submitted together leave together (batch.py: one
 request per server, split by fewest in flight); connection errors are retried with backoff within the
-deadline, then raised as one clear error; nothing waits forever.
+deadline, then raised as one clear error; nothing waits forever, and no call waits on a server that
+has answered nothing (not even /health) for rollout_server_silence_s (liveness.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import httpx
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.batch import Batcher, ServerError, json_or_raise
+from tandemrl.generation.remote.liveness import Liveness
 from tandemrl.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class RolloutClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
         self._thread.start()
         self._http: httpx.AsyncClient = self._run(self._open(transport)).result()
-        self._batcher = Batcher(self._http, self.urls, config)
+        self._liveness = Liveness(self._http, config.rollout_server_silence_s)
+        self._batcher = Batcher(self._http, self.urls, config, self._liveness)
 
     async def _open(self, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -150,7 +153,7 @@ class RolloutClient:
     async def _readiness(self) -> list[dict[str, Any]]:
         async def one(url: str) -> dict[str, Any]:
             try:
-                response = await self._http.get(url + "/ready", timeout=10.0)
+                response = await self._liveness.watch(url, self._http.get(url + "/ready", timeout=10.0))
                 return response.json() if _awaits_weights(response) else json_or_raise(url, response)
             except httpx.TransportError as error:
                 raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
@@ -160,7 +163,8 @@ class RolloutClient:
     async def _post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
         async def one(url: str) -> Any:
             try:
-                response = await self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s)
+                post = self._http.post(url + path, json=body, timeout=timeout_s or self.config.request_timeout_s)
+                response = await self._liveness.watch(url, post)
             except httpx.TransportError as error:  # e.g. the server died during a weight update: say which one
                 raise ConnectionError(f"cannot reach rollout server {url}: {error!r}") from None
             return json_or_raise(url, response)
@@ -193,7 +197,7 @@ class RolloutClient:
 
     async def _join(self, specs: list[dict[str, Any]], timeout_s: float) -> None:
         async def one(url: str, spec: dict[str, Any]) -> None:
-            json_or_raise(url, await self._http.post(url + "/weights/init", json=spec, timeout=timeout_s))
+            json_or_raise(url, await self._liveness.watch(url, self._http.post(url + "/weights/init", json=spec, timeout=timeout_s)))
 
         await asyncio.gather(*(one(u, s) for u, s in zip(self.urls, specs)))
 

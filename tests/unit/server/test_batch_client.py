@@ -105,3 +105,32 @@ def test_a_busy_server_is_retried_then_one_clear_error():
 def test_results_split_on_newlines_only(text):
     gen, _ = generator(lambda _, items: httpx.Response(200, content=b"".join(line(i, text=text) for i in items)))
     assert [c.token_ids for c in run(gen, [[1], [2]])] == [[1, 1], [2, 2]]
+
+
+def test_the_calls_on_a_server_gone_silent_move_to_another_within_the_silence_deadline():
+    """Server a stops answering anything (SIGSTOP: its /health too); its calls move to b once
+    rollout_server_silence_s pass, and finish there. With no other server they fail at once instead."""
+    import time
+
+    posts: list[str] = []
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a" and request.url.path != "/ready":
+            await asyncio.Event().wait()  # silence
+        if request.url.path in ("/ready", "/health"):
+            return httpx.Response(200, json={"ready": True})
+        items = json.loads(request.content)["items"]
+        posts.append(request.url.host)
+        return httpx.Response(200, content=b"".join(map(line, items)))
+
+    for urls in (URLS, URLS[:1]):
+        gen = RemoteGenerator(RemoteConfig(urls=urls, rollout_server_silence_s=0.3))
+        gen.client.close()
+        gen.client = RolloutClient(gen.config, transport=httpx.MockTransport(route))
+        started = time.monotonic()
+        results = run(gen, [[i] for i in range(4)])
+        assert time.monotonic() - started < 2.0
+        if len(urls) == 2:
+            assert [c.token_ids for c in results] == [[i, i] for i in range(4)] and posts == ["b", "b"]
+        else:
+            assert all(isinstance(e, TimeoutError) and "http://a answered nothing for 0.3 s" in str(e) for e in results)

@@ -77,8 +77,8 @@ def test_a_rollout_server_that_dies_mid_training_ends_the_run_with_one_line(tiny
 
 def test_a_frozen_rollout_server_ends_the_run_with_one_line_within_the_silence_deadline(tiny_model_dir, tmp_path):
     """SIGSTOP: the server's sockets stay open (connections are accepted, nothing is answered), so no
-    connection error comes. --rollout_server_silence_s after its last answer the run ends with one line
-    naming the server, whatever the trainer was waiting on (a generation or a weight update)."""
+    connection error comes. --rollout_server_silence_s after the trainer begins to wait on it the run ends
+    with one line naming the server, whatever it waits on (a generation or a weight update)."""
     import signal
     import time
 
@@ -97,10 +97,19 @@ def test_a_frozen_rollout_server_ends_the_run_with_one_line_within_the_silence_d
             time.sleep(0.2)
         server.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        _, stderr = trainer.communicate(timeout=60)
-        elapsed = time.monotonic() - stopped
+        lines = []
+        for line in trainer.stderr:  # read as written: the error line's time is the deadline's measure
+            lines.append(line)
+            if line.startswith("tandem train: error"):
+                noticed = time.monotonic() - stopped
+                break
+        else:
+            raise AssertionError("".join(lines)[-3000:])
+        stderr = "".join(lines) + trainer.communicate(timeout=60)[1]  # the exit: the weight-sync group released
         assert trainer.returncode == 1, stderr[-3000:]
-        assert elapsed < 4 + 15, elapsed  # the deadline, then the run's exit (the weight-sync group's release: <= 10 s)
+        # the deadline runs from when the trainer begins to wait on the server: the stop may land before a
+        # training step (seconds on a loaded CPU) after which the push waits; the client's own timeout is 600 s
+        assert noticed < 4 + 30, noticed
         assert "Traceback" not in stderr, stderr[-3000:]
         errors = [line for line in stderr.splitlines() if line.startswith("tandem train: error")]
         assert len(errors) == 1 and server.url.split("//")[1] in errors[0] and "answered nothing for 4 s" in errors[0], stderr[-3000:]

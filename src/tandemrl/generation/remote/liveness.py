@@ -2,8 +2,8 @@
 to it are in flight: its `/health` is probed, and once it has answered nothing for `silence_s` every
 call watching it fails at once with one clear error (SilentServer), whatever that call's own timeout.
 
-Invariant: a call to a server that has answered no probe for `silence_s` ends within `silence_s` of the
-server's last answer. A live server's long call (a long generation, a large weight update) is never
+Invariant: a call to a server that answers nothing ends within `silence_s` of the later of the call's
+start and the server's last answer to a probe. A live server's long call (a long generation, a large weight update) is never
 cut: its /health answers from the event loop while the work runs in threads.
 """
 

@@ -16,6 +16,9 @@ from typing import Any
 from tandemrl.types import SamplingParams
 
 
+TEMPLATE_OWN = ("self", "messages", "tools", "documents", "add_generation_prompt")  # what transformers hands the template itself
+
+
 class Prompter:
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int = 1_000_000):
         self.tokenizer = tokenizer
@@ -31,7 +34,7 @@ class Prompter:
             return prompt_ids
         if prompt is not None:
             return self.tokenizer.encode(self.checked_text(prompt))
-        text = self.chat_text(messages or [], **(chat_template_kwargs or {}))
+        text = self.chat_text(messages or [], chat_template_kwargs or {})
         return self.tokenizer.encode(self.checked_text(text), add_special_tokens=False)
 
     async def encode_off_loop(self, **prompt: Any) -> list[int]:
@@ -49,10 +52,12 @@ class Prompter:
             raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {error.start}") from None
         return text
 
-    def chat_text(self, messages: list[dict], **chat_template_kwargs: Any) -> str:
+    def chat_text(self, messages: list[dict], chat_template_kwargs: dict[str, Any]) -> str:
         """The chat template's text of `messages`, with a request's chat_template_kwargs (vLLM's field):
-        template variables only, never apply_chat_template's own arguments (a template, tokenize, ...)."""
-        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) & set(chat_template_kwargs)
+        template variables only, never apply_chat_template's own arguments (a template, tokenize, ...) nor
+        the variables it sets itself (messages: a 500 when given)."""
+        reserved = {*inspect.signature(self.tokenizer.apply_chat_template).parameters, *TEMPLATE_OWN}
+        own = reserved & set(chat_template_kwargs)
         if own:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(own))}: give the template's own variables")
         flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]

@@ -116,3 +116,13 @@ def test_streaming_sends_usage_last_when_asked(oai, tiny_model_dir):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])
     assert all(c.usage is None for c in oai.completions.create(**args))  # not asked: no usage chunk
+
+
+@pytest.mark.parametrize("name", ["messages", "self", "add_generation_prompt"])
+def test_chat_template_kwargs_naming_what_the_template_is_given_is_a_400(oai, server, tiny_model_dir, name):
+    """`messages` or `self` in chat_template_kwargs were a 500 on both routes (they collided with arguments)."""
+    chat = dict(model=tiny_model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=f"chat_template_kwargs may not set {name}"):
+        oai.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {name: 1}})
+    raw = server.post("/generate", {"messages": chat["messages"], "max_tokens": 2, "chat_template_kwargs": {name: 1}})
+    assert raw.status_code == 400 and f"may not set {name}" in raw.json()["detail"], raw.text

@@ -30,3 +30,10 @@ def test_chat_template_kwargs_of_a_request_reach_the_template(tiny_tokenizer):
     # both routes take the field under vLLM's name
     assert GenerateRequest(messages=messages, chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
     assert ChatRequest(messages=messages, chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
+
+
+@pytest.mark.parametrize("name", ["messages", "self", "tools", "add_generation_prompt"])
+def test_chat_template_kwargs_may_not_set_what_the_template_is_given(tiny_tokenizer, name):
+    prompter = Prompter(tiny_tokenizer, vocab_size=len(tiny_tokenizer), max_model_len=512)
+    with pytest.raises(ValueError, match=f"chat_template_kwargs may not set {name}"):
+        prompter.encode(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={name: 1})

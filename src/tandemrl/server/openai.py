@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
-from tandemrl.server.service import RolloutService
+from tandemrl.server.service import Busy, RolloutService
 from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
 from tandemrl.types import MAX_TOP_LOGPROBS, SAMPLING_MAX_ITEMS, Completion, SamplingParams
 
@@ -129,6 +129,7 @@ async def _respond(service: RolloutService, prompter: Prompter, request: Request
     for prompt_ids, p in zip(prompts, params):
         prompter.check(prompt_ids, p)
     jobs = [(prompt_ids, one) for prompt_ids, p in zip(prompts, params) for one in per_sample(p, body.n)]
+    service.check_capacity(len(jobs))  # all choices fit, or a 503 before any starts (a stream's 200 is not yet sent)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name}
     if body.stream:
         events: asyncio.Queue = asyncio.Queue()  # (choice index, token id | its finished task)
@@ -207,7 +208,11 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
                     yield chunk(i, delta)
                 continue
             remaining -= 1
-            c: Completion = item.result()  # a failed choice fails the stream, as it fails a plain request
+            if item.cancelled() or item.exception() is not None:  # a failed choice ends the stream, as it fails a plain request: said in an event
+                yield f"data: {json.dumps({'error': _stream_error(item.exception() if not item.cancelled() else RuntimeError('aborted'))})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            c: Completion = item.result()
             choice = _choice(i, c, jobs[i][1], prompter, body, chat)
             text = choice.pop("message")["content"] if chat else choice.pop("text")
             fields = {k: v for k, v in choice.items() if k not in ("index", "finish_reason")}  # logprobs, token ids, versions
@@ -222,6 +227,12 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _stream_error(error: BaseException) -> dict[str, Any]:
+    """OpenAI's error object, for an error that comes after a stream's 200 was sent."""
+    kind = "server_busy" if isinstance(error, Busy) else "invalid_request_error" if isinstance(error, ValueError) else "server_error"
+    return {"message": str(error) or repr(error), "type": kind, "param": None, "code": None}
 
 
 class TextStream:

@@ -219,3 +219,20 @@ def test_wake_after_sleep_level_2_without_a_push_is_not_ready_and_refuses_reques
     finally:
         client.close()
         server.stop()
+
+
+def test_an_openai_request_with_more_choices_than_free_slots_is_a_503_before_anything_starts(small_server):
+    """Streamed, it was a 200 cut without an error event or [DONE]; plain, it first started its
+    generations, holding every slot, before its 503. Both are a 503 now, nothing started."""
+    body = {"prompt": "many", "max_tokens": 100, "ignore_eos": True, "n": 5}  # the server takes 4 pending
+    before = small_server.metrics()
+    started = time.monotonic()
+    streamed = httpx.post(small_server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+    assert streamed.status_code == 503 and streamed.json()["error"]["type"] == "server_busy", streamed.text
+    plain = httpx.post(small_server.url + "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert plain.status_code == 503 and "do not fit" in plain.json()["error"]["message"], plain.text
+    assert time.monotonic() - started < 5
+    after = small_server.metrics()
+    assert after["tandem_generated_tokens_total"] == before["tandem_generated_tokens_total"]  # no generation ran
+    ok = httpx.post(small_server.url + "/v1/completions", json={**body, "n": 4, "max_tokens": 2, "stream": True}, timeout=60)
+    assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")

@@ -233,11 +233,16 @@ def _batch(
 
 def frac_zero_std(rewards: torch.Tensor, flat: torch.Tensor, scale: str) -> float:
     """TRL's frac_reward_zero_std: the fraction of rollouts whose scaling std is 0, so it follows
-    --scale_rewards: the group's std (group, none) or the batch's (batch: 0.0 or 1.0)."""
+    --scale_rewards: the group's std (group, none) or the batch's (batch: 0.0 or 1.0). Fewer than two
+    scored rewards have no std (TRL's NaN), not a zero one.
+
+    Example: rewards [[1, 1], [1, nan], [0, 1]], scale group -> 1/3 (the second group has one scored reward)
+    """
+    scored = (~rewards.isnan()).sum(dim=1)  # [P]
     if scale == "batch":
         std = nan_std(rewards.flatten(), dim=0)
-        return float(torch.isclose(std, torch.zeros_like(std)).all())
-    return float(flat.double().mean())
+        return float(bool(scored.sum() >= 2) and bool(torch.isclose(std, torch.zeros_like(std)).all()))
+    return float((flat & (scored >= 2)).double().mean())
 
 
 def policy_lags(groups: list[Group], version: int) -> list[int]:

@@ -97,3 +97,19 @@ def test_batch_scaled_advantages_take_the_std_of_the_whole_generation_round() ->
     batch, _ = _batch([first], settings(scale_rewards="batch"), version=0, round_groups=[first, second])
     std = statistics.stdev([1.0, 0.0, 3.0, 0.0]) + 1e-4
     assert batch.groups[0].advantages == pytest.approx([0.5 / std, -0.5 / std])
+
+
+@pytest.mark.parametrize("scale", ["group", "none", "batch"])
+def test_frac_reward_zero_std_counts_no_group_with_fewer_than_two_scored_rewards(scale):
+    """TRL's std of one scored reward is NaN, not zero: such a group (batch) is not counted zero-std."""
+    import torch
+
+    from tandemrl.algo.advantage import zero_variance_groups
+    from tandemrl.pipeline.loop import frac_zero_std
+
+    nan = math.nan
+    rewards = torch.tensor([[1.0, 1.0], [1.0, nan], [0.0, 1.0]])
+    expected = {"group": 1 / 3, "none": 1 / 3, "batch": 0.0}[scale]
+    assert frac_zero_std(rewards, zero_variance_groups(rewards), scale) == pytest.approx(expected)
+    lone = torch.tensor([[2.0, nan], [nan, nan]])
+    assert frac_zero_std(lone, zero_variance_groups(lone), scale) == 0.0

@@ -11,6 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt that a call raised in its daemon thread (`error`), handed to the
+    waiter as an ordinary error: raised in the event loop as itself, it would end the loop."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+        self.error = error
+
+
 def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
     """A future of `call()`, run in a daemon thread named `name`; bound the wait with asyncio.timeout."""
     loop = asyncio.get_running_loop()
@@ -25,6 +34,8 @@ def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
             outcome: tuple[BaseException | None, Any] = (None, call())
         except Exception as error:  # noqa: BLE001 - handed to the awaiting task
             outcome = (error, None)
+        except BaseException as error:  # SystemExit, KeyboardInterrupt raised by the call itself (signals reach the
+            outcome = (Escaped(error), None)  # main thread only): it ended the thread, and the waiter waited its deadline
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             loop.call_soon_threadsafe(settle, *outcome)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
-from tandemrl.threads import in_daemon_thread
+from tandemrl.threads import Escaped, in_daemon_thread
 
 class RewardTimeoutError(TimeoutError):
     """A reward function did not return within its deadline; the groups it was scoring are not trained."""
@@ -150,9 +150,10 @@ async def _call(func: RewardFunc, kwargs: dict[str, Any], expected: int, timeout
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
         if deadline.expired():
             raise RewardTimeoutError(f"reward function '{func.name}' did not return within {timeout_s:g} s (--reward_timeout_s)") from None
-        message = " ".join(str(error).split())
-        where = user_frame(error, func.fn)
-        raise ValueError(f"reward function '{func.name}' raised {type(error).__name__}{where}: {message}") from error
+        raised = error.error if isinstance(error, Escaped) else error  # a SystemExit in a sync function: said as itself
+        message = " ".join(str(raised).split())
+        where = user_frame(raised, func.fn)
+        raise ValueError(f"reward function '{func.name}' raised {type(raised).__name__}{where}: {message}") from error
     return _check_values(func.name, result, expected)
 
 

@@ -181,3 +181,16 @@ def test_conversational_prompts_give_message_completions() -> None:
 def test_a_completion_every_function_scored_none_has_total_none() -> None:
     funcs = [RewardFunc(name="a", fn=lambda completions, **kw: [1.0, None]), RewardFunc(name="b", fn=lambda completions, **kw: [None, None])]
     assert _run(funcs, None, ["x", "y"])[0] == [1.0, None]
+
+
+@pytest.mark.parametrize("kind", [SystemExit, KeyboardInterrupt])
+def test_a_sync_function_raising_systemexit_or_keyboardinterrupt_is_one_line_at_once(kind) -> None:
+    """It ended its worker thread without a word, and the step waited the whole --reward_timeout_s."""
+
+    def leaves(prompts, completions, **kw):
+        raise kind(3)
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"^reward function 'leaves' raised {kind.__name__} at \S*test_reward_base.py:\d+: 3$"):
+        asyncio.run(score([RewardFunc(name="leaves", fn=leaves)], None, ["p"], ["x"], {}, timeout_s=30))
+    assert time.monotonic() - started < 5

@@ -35,6 +35,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, float]] = {  # numeric fields: pydantic's g
     "repetition_penalty": {"ge": 1 / MAX_REPETITION_PENALTY, "le": MAX_REPETITION_PENALTY},
     "seed": {"ge": 0, "le": MAX_SEED},
 }
+MAX_BATCH_ITEMS = 1024  # items of one POST /generate_batch: the server's schema takes this many, the client splits larger ticks
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the OpenAI routes name it `logprobs` (completions) and `top_logprobs` (chat)
 SAMPLING_MAX_ITEMS: dict[str, int] = {"stop_token_ids": 64, "stop": 16}
 

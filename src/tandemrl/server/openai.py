@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
-from tandemrl.server.wire import MAX_N, ChatMessage, per_sample, sampling_field, to_sampling_params
+from tandemrl.server.wire import ChatMessage, n_field, per_sample, sampling_field, to_sampling_params
 from tandemrl.types import MAX_TOP_LOGPROBS, SAMPLING_MAX_ITEMS, Completion, SamplingParams
 
 
@@ -35,7 +35,7 @@ class _Common(BaseModel):
     max_tokens: int | None = sampling_field("max_tokens", None)
     temperature: float | None = sampling_field("temperature", None)
     top_p: float | None = sampling_field("top_p", None)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = n_field()
     stop: str | Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | None = Field(None, description="One stop string (one item), or a list.")
     seed: int | None = sampling_field("seed")
     stream: bool = False

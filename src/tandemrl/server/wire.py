@@ -10,11 +10,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tandemrl.generation.remote.batch import MAX_BATCH_ITEMS  # one POST /generate_batch; the client splits larger ticks
-from tandemrl.types import MAX_SEED, MAX_TOP_LOGPROBS, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
+from tandemrl.types import MAX_BATCH_ITEMS, MAX_SEED, MAX_TOP_LOGPROBS, SAMPLING_BOUNDS, SAMPLING_MAX_ITEMS, SamplingParams
 
 _DEFAULTS = SamplingParams()
 MAX_N = 256  # samples of one prompt in one request (native and OpenAI routes)
+
+
+def n_field() -> Any:
+    """The `n` of a request (native and OpenAI routes): samples of one prompt, 1 to MAX_N."""
+    return Field(1, ge=1, le=MAX_N, description="Samples of this prompt; one request id each.")
 
 
 def sampling_field(name: str, default: Any = ..., **schema: Any) -> Any:
@@ -94,7 +98,7 @@ class Prompted(Sampling):
 class GenerateRequest(Prompted):
     """One prompt, `n` samples. `is_async`: answer ids at once."""
 
-    n: int = Field(1, ge=1, le=MAX_N, description="Samples of this prompt; one request id each.")
+    n: int = n_field()
     is_async: bool = Field(False, description="True: answer request ids at once; collect the results later.")
 
 

@@ -25,11 +25,11 @@ import httpx
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.liveness import Liveness, SilentServer
 from tandemrl.generation.tick import TickBatcher
+from tandemrl.types import MAX_BATCH_ITEMS
 from tandemrl.types import Completion
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.25
-MAX_BATCH_ITEMS = 1024  # items per POST /generate_batch; the server's schema (server/wire.py) takes this
 MAX_ABORT_IDS = 4096
 
 

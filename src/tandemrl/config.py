@@ -24,6 +24,9 @@ _SAMPLING = SamplingParams()  # the sampling flags' defaults are SamplingParams'
 _REMOTE = RemoteConfig()  # the server-mode flags' defaults are the client's own
 
 
+MAX_RUN_SEED = 2**24 - 1  # the seeds derived per step and rollout ((seed x 1,000,003 + step) x 100,003 + i) stay in 63 bits
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """What runs and for how long."""
@@ -50,6 +53,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
+        if not 0 <= self.seed <= MAX_RUN_SEED:  # -1 was refused as the seed derived from it: "got -100003300009"
+            raise ValueError(f"--seed must be in [0, {MAX_RUN_SEED}], got {self.seed}")
 
 
 @dataclass(kw_only=True)

@@ -7,6 +7,7 @@ reads, so the loss never re-checks a user-facing string.
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -165,8 +166,8 @@ class AlgoConfig:
             raise ValueError(f"--epsilon must be in [0, 1), got {self.epsilon}")
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise ValueError(f"--epsilon_high must be >= 0, got {self.epsilon_high}")
-        if self.beta < 0:
-            raise ValueError(f"--beta must be >= 0 (0 disables the KL term), got {self.beta}")
+        if not 0 <= self.beta < math.inf:  # NaN fails too: it passed, and the first step's loss was NaN
+            raise ValueError(f"--beta must be a finite number >= 0 (0 disables the KL term), got {self.beta}")
         if self.num_iterations < 1:
             raise ValueError(f"--num_iterations must be >= 1, got {self.num_iterations}")
         if self.tis_cap != 0 and self.tis_cap < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +60,10 @@ class TrainerConfig:
     those of sampling. On by default here (TRL's default is off)."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.learning_rate < math.inf:  # inf was caught only by the checkpoint guard, NaN not at all
+            raise ValueError(f"--learning_rate must be a finite number > 0, got {self.learning_rate}")
+        if not 0 <= self.max_grad_norm < math.inf:  # NaN silently meant no clipping
+            raise ValueError(f"--max_grad_norm must be a finite number >= 0 (0 = no clipping), got {self.max_grad_norm}")
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"--router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):

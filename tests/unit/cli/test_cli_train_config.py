@@ -175,3 +175,18 @@ def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
     # a repetition penalty is a sampling setting: every generator applies it, from the flag or the kwargs
     assert parse(["--repetition_penalty", "1.1"])[0].resolve().sampling.repetition_penalty == 1.1
     assert parse(["--generation_kwargs", '{"repetition_penalty": 1.3}'])[0].resolve().sampling.repetition_penalty == 1.3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--beta", "nan"], "--beta must be a finite number >= 0"),  # passed, and step 1 crashed
+        (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number >= 0"),  # silently meant no clipping
+        (["--learning_rate", "inf"], "--learning_rate must be a finite number > 0"),  # caught only by the checkpoint guard
+        (["--seed", "-1"], r"--seed must be in \[0, 16777215\], got -1$"),  # said "got -100003300009"
+        (["--rollout_server_silence_s", "0"], "--rollout_server_silence_s must be a number of seconds > 0"),
+    ],
+)
+def test_non_finite_and_out_of_range_values_are_one_line_naming_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(flags)

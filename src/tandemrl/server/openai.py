@@ -36,7 +36,8 @@ class _Common(BaseModel):
     temperature: float | None = sampling_field("temperature", None)
     top_p: float | None = sampling_field("top_p", None)
     n: int = n_field()
-    stop: str | Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | None = Field(None, description="One stop string (one item), or a list.")
+    # the list first: a list over the limit is refused for its length, not as "stop.str: Input should be a valid string"
+    stop: Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | str | None = Field(None, description="One stop string (one item), or a list.")
     seed: int | None = sampling_field("seed")
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description="OpenAI's: {\"include_usage\": true} sends a last chunk with the usage.")

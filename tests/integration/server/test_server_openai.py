@@ -126,3 +126,10 @@ def test_chat_template_kwargs_naming_what_the_template_is_given_is_a_400(oai, se
         oai.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {name: 1}})
     raw = server.post("/generate", {"messages": chat["messages"], "max_tokens": 2, "chat_template_kwargs": {name: 1}})
     assert raw.status_code == 400 and f"may not set {name}" in raw.json()["detail"], raw.text
+
+
+def test_a_stop_list_over_the_limit_is_refused_for_its_length(oai, tiny_model_dir):
+    with pytest.raises(openai.BadRequestError, match="at most 16 items") as refused:
+        oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=2, stop=[str(i) for i in range(17)])
+    assert refused.value.body["param"].startswith("stop")
+    assert oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=2, stop="\n").choices[0].finish_reason in ("stop", "length")

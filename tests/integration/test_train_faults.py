@@ -103,15 +103,35 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None
         time.sleep(0.1)
 
 
-def test_a_hung_reward_times_out_its_groups_and_the_run_goes_on(tmp_path):
-    rewards = reward_file(tmp_path, HUNG.format(marker=str(tmp_path / "called")))
+HUNG_FIRST = """import pathlib, time
+calls = []
+def reward(prompts, completions, **kw):
+    calls.append(1)
+    if len(calls) == 1:
+        pathlib.Path({marker!r}).touch()
+        time.sleep(3600)
+    return [len(c) / 10 for c in completions]
+"""
+
+
+def test_a_hung_reward_times_out_its_group_and_the_run_goes_on(tmp_path):
+    rewards = reward_file(tmp_path, HUNG_FIRST.format(marker=str(tmp_path / "called")))
     run = tmp_path / "run"
     started = time.monotonic()
     result = tandem("train", "--reward_funcs", rewards, "--reward_timeout_s", "1", "--output_dir", str(run), "--max_steps", "2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert time.monotonic() - started < 120  # the abandoned calls hold neither the steps nor the exit
-    assert [m["rollout/reward_timeouts"] for m in metrics(run)] == [4.0, 4.0]  # each group is scored by its own call
+    assert time.monotonic() - started < 120  # the abandoned call holds neither the steps nor the exit
+    assert [m["rollout/reward_timeouts"] for m in metrics(run)] == [1.0, 0.0]  # each group is scored by its own call
     assert "reward function 'reward' did not return within 1 s" in result.stderr
+
+
+def test_a_run_whose_every_group_is_dropped_ends_with_one_line_not_exit_0(tmp_path):
+    """Every reward call times out: the run trained nothing, and said nothing of it, exit 0 (issue 36)."""
+    rewards = reward_file(tmp_path, HUNG.format(marker=str(tmp_path / "called")))
+    result = tandem("train", "--reward_funcs", rewards, "--reward_timeout_s", "1", "--output_dir", str(tmp_path / "run"), "--max_steps", "2", *TINY)
+    assert result.returncode == 1, result.stderr[-3000:]
+    (line,) = error_lines(result)[-1:]
+    assert line.startswith("tandem train: error: step 1: every group was dropped, nothing to train (4 reward calls timed out"), line
 
 
 def test_ctrl_c_ends_a_run_stuck_in_a_reward_and_the_heartbeat_names_the_phase(tmp_path, start_train):

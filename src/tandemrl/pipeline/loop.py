@@ -78,6 +78,8 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             waited = time.perf_counter() - started
             times = critical_path(times, waited)
             groups = steps.pop(0)
+            if groups and all(failed(g) for g in groups):  # a run that trains nothing must not end as if it had
+                raise RunStopped(f"step {step + 1}: every group was dropped, nothing to train ({_dropped_why(times)})")
             batch, group_metrics = _batch(groups, settings, parts.trainer.policy_version, round_groups=round_groups)
             metrics = {**group_metrics, **times, "pipeline/wait_time": waited, **await _train_and_publish(parts, settings, batch)}
             _check_mismatch(metrics, settings.logprob_mismatch_warning, step + 1)
@@ -104,6 +106,16 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     finally:
         await producer.cancel()
     return metrics
+
+
+def _dropped_why(times: dict[str, float]) -> str:
+    """Why a step's groups were all dropped, from its scoring counts. Example: {"rollout/reward_timeouts": 4.0} ->
+    "4 reward calls timed out: raise --reward_timeout_s or fix the reward"."""
+    if times.get("rollout/reward_timeouts"):
+        return f"{times['rollout/reward_timeouts']:.0f} reward calls timed out: raise --reward_timeout_s or fix the reward"
+    if times.get("rollout/nonfinite_reward_groups"):
+        return f"{times['rollout/nonfinite_reward_groups']:.0f} groups had a non-finite reward (--reward_nonfinite skip): fix the reward"
+    return "their rollouts failed; see the log"
 
 
 PHASES = ("time/generate", "time/reward", "time/train", "time/sync", "time/other")

@@ -231,10 +231,10 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
     """
     out = dict(values)
     _batch(out, notes, defaults)
-    if isinstance(out.get("max_steps"), (int, float, str)) and float(out["max_steps"]) <= 0:
+    if isinstance(out.get("max_steps"), (int, float, str)) and float(out["max_steps"]) < 0:
         del out["max_steps"]  # TRL's -1: the epochs decide
         out.setdefault("num_train_epochs", 3.0)
-        notes.append(f"TRL setting max_steps <= 0 -> --num_train_epochs {out['num_train_epochs']} decides the steps")
+        notes.append(f"TRL setting max_steps -1 -> --num_train_epochs {out['num_train_epochs']} decides the steps")
     forms = {"scale_rewards": _scale_rewards, "top_k": _top_k, "report_to": _report_to, "dtype": _dtype, "reward_funcs": _reward_funcs}
     for key, form in forms.items():
         if key in out and out[key] is not None:

@@ -54,7 +54,9 @@ install_torch() {
   # Elsewhere (macOS, other CPUs) PyPI's wheel is the CPU one. TANDEM_TORCH (a pip requirement) chooses for you.
   case "$(uname -s)/$(uname -m)" in
     Linux/x86_64|Linux/aarch64)
-      if [ -z "${TANDEM_TORCH:-}" ]; then
+      # Only where that index answers within 5 s: a machine whose pip reaches a mirror alone (which serves the CPU
+      # build itself) would otherwise spend pip's retries on it.
+      if [ -z "${TANDEM_TORCH:-}" ] && "$PY" -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/', timeout=5)" 2>/dev/null; then
         say "installing $spec, the CPU build (--index-url https://download.pytorch.org/whl/cpu; the longest step)"
         pip_install "$spec" --index-url https://download.pytorch.org/whl/cpu
         return

@@ -126,7 +126,8 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, *, greedy: boo
 
 
 def engine_for(model, max_model_len: int, max_num_seqs: int):
-    from tandemrl.generation.base import EngineConfig, build_generator, describe_generator
+    from tandemrl.generation.base import EngineConfig, describe_generator
+    from tandemrl.generation.factory import build_generator
 
     config = EngineConfig(device=DEVICE, gpu_memory_utilization=0.6, max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=16384)
     engine = build_generator(config, model=model)

@@ -57,7 +57,7 @@ def test_decode_kernel_matches_gather_attention(dtype):
 
 
 @cuda
-@pytest.mark.parametrize("heads, kv_heads, dim, window", [(14, 2, 64, 0), (12, 2, 128, 0), (28, 4, 128, 0), (8, 4, 128, 1000)])
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(14, 2, 64, 0), (12, 2, 128, 0), (28, 4, 128, 0), (8, 4, 128, 1000), (32, 32, 96, 0)])  # 96: Phi-3-mini, padded to 128
 def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_heads, dim, window):
     """bf16, contexts from one key to 9k over up to 8 chunks (the merge kernel), and the one-chunk path;
     a sliding window's keys chunked from its first."""
@@ -143,6 +143,7 @@ def test_varlen_prefill_matches_gather_attention(query_lens, context_lens):
         (14, 2, 64, [1, 1, 1], [40, 129, 7]),  # one query each
         (12, 2, 128, [64] * 40 + [700], [400] * 40 + [1500]),  # the 1.5B shape's heads; many next turns and one long prompt
         (4, 4, 32, [50, 3], [90, 3]),  # no GQA: 128 queries a tile
+        (8, 8, 96, [70, 1], [70, 200]),  # Phi-3-mini's head dim, no power of two: padded and masked
     ],
 )
 def test_paged_prefill_kernel_matches_gather_attention(dtype, heads, kv_heads, dim, query_lens, context_lens):

@@ -29,8 +29,8 @@ def _capped(s, SOFTCAP: tl.constexpr):
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, splits, min_chunk,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_btb, stride_ob, stride_oh,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # one program per (sequence, key/value head, split): its G query heads share every key load (GQA), and
     # a long context (with a window, the window's keys) is cut into up to `splits` chunks of at least
@@ -49,13 +49,14 @@ def _decode_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(span, num_splits), TILE) * TILE
     if split < num_splits:
         g = tl.arange(0, GP)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)  # a head dim that is no power of two (Phi-3's 96) is padded to one, masked
+        dims = d < D
         q_rows = kv_head * G + g
         heads = g < G
-        q = tl.load(q_ptr + b * stride_qb + q_rows[:, None] * stride_qh + d[None, :], mask=heads[:, None], other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + q_rows[:, None] * stride_qh + d[None, :], mask=heads[:, None] & dims[None, :], other=0.0)
         m = tl.full([GP], float("-inf"), tl.float32)
         den = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
         first = ctx - span + split * chunk
         end = tl.minimum(first + chunk, ctx)  # a last chunk may be empty (chunks are whole tiles)
         for start in range(first, end, TILE):
@@ -64,7 +65,7 @@ def _decode_attention_kernel(
             block = tl.load(bt_ptr + b * stride_btb + t // BLOCK, mask=valid, other=0)
             slot = block.to(tl.int64) * BLOCK + t % BLOCK
             offsets = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)  # [TILE, D]
+            k = tl.load(k_ptr + offsets, mask=valid[:, None] & dims[None, :], other=0.0)  # [TILE, DP]
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -73,7 +74,7 @@ def _decode_attention_kernel(
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)  # [TILE, D]
+            v = tl.load(v_ptr + offsets, mask=valid[:, None] & dims[None, :], other=0.0)  # [TILE, DP]
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -83,17 +84,17 @@ def _decode_attention_kernel(
             m = m_new
         out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if num_splits == 1:
-            tl.store(out_ptr + b * stride_ob + q_rows[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
+            tl.store(out_ptr + b * stride_ob + q_rows[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=heads[:, None] & dims[None, :])
         else:
             part = (b * H + q_rows) * splits + split  # [GP] partial of (sequence, head, split)
-            tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=heads[:, None])
+            tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=heads[:, None] & dims[None, :])
             tl.store(part_lse_ptr + part, m + tl.log(den), mask=heads)  # -inf for an empty chunk
 
 
 @triton.jit
 def _merge_splits_kernel(
     lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, splits, min_chunk, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, WINDOW: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     # one program per (sequence, query head): the chunks' outputs weighted by their share of the softmax
     # mass, exp(lse_s - lse) (flash-decoding's reduction); contexts of one chunk were written whole
@@ -105,15 +106,16 @@ def _merge_splits_kernel(
     num_splits = tl.minimum(splits, tl.cdiv(span, min_chunk))
     if num_splits > 1:
         s = tl.arange(0, SP)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        dims = d < D
         parts = (b * H + head) * splits + s
         valid = s < num_splits
         lse = tl.load(part_lse_ptr + parts, mask=valid, other=float("-inf"))  # [SP]
         top = tl.max(lse, 0)  # finite: the first chunk holds keys
         weights = tl.exp(lse - top)
-        outs = tl.load(part_out_ptr + parts[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)  # [SP, D]
+        outs = tl.load(part_out_ptr + parts[:, None] * D + d[None, :], mask=valid[:, None] & dims[None, :], other=0.0)  # [SP, DP]
         out = tl.sum(outs * weights[:, None], 0) / tl.sum(weights, 0)
-        tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dims)
 
 
 @functools.cache
@@ -163,13 +165,13 @@ def decode_attention(
     _decode_attention_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale, splits, min_chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        H=num_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK=block_size, TILE=tile,
+        H=num_heads, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, DP=triton.next_power_of_2(dim), BLOCK=block_size, TILE=tile,
         IEEE=q.dtype == torch.float32, WINDOW=window, SOFTCAP=softcap, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             context_lens, part_out, part_lse, out, splits, min_chunk, out.stride(0), out.stride(1),
-            H=num_heads, D=dim, SP=max(2, triton.next_power_of_2(splits)), WINDOW=window,
+            H=num_heads, D=dim, DP=triton.next_power_of_2(dim), SP=max(2, triton.next_power_of_2(splits)), WINDOW=window,
         )  # fmt: skip
     return out
 
@@ -178,8 +180,8 @@ def decode_attention(
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, lens_ptr, tile_seq_ptr, tile_start_ptr, num_seqs, scale,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_btb, stride_on, stride_oh,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILE_Q: tl.constexpr, TILE: tl.constexpr,
-    IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, TILE_Q: tl.constexpr,
+    TILE: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # one program per (query tile, key/value head): TILE_Q consecutive queries of one sequence times the G
     # query heads that share the head's keys, as TILE_Q * GP rows; the keys are read through the block table
@@ -197,13 +199,14 @@ def _prefill_attention_kernel(
         g = r % GP
         rows = (qi < num_q) & (g < G)
         pos = ctx - num_q + qi  # [R] its position: it sees keys 0..pos
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)  # padded to a power of two, masked (see the decode kernel)
+        dims = d < D
         heads = kv_head * G + g
         q_offsets = (q_start + qi).to(tl.int64)[:, None] * stride_qn + heads[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=rows[:, None], other=0.0)  # [R, D]
+        q = tl.load(q_ptr + q_offsets, mask=rows[:, None] & dims[None, :], other=0.0)  # [R, DP]
         m = tl.full([TILE_Q * GP], float("-inf"), tl.float32)
         den = tl.zeros([TILE_Q * GP], tl.float32)
-        acc = tl.zeros([TILE_Q * GP, D], tl.float32)
+        acc = tl.zeros([TILE_Q * GP, DP], tl.float32)
         end = ctx - num_q + tl.minimum(first + TILE_Q, num_q)  # keys [0, end) cover every row's
         lo = 0
         if WINDOW > 0:  # from the tile holding the first row's first key in its window
@@ -214,7 +217,7 @@ def _prefill_attention_kernel(
             block = tl.load(bt_ptr + b * stride_btb + kpos // BLOCK, mask=keys, other=0)
             slot = block.to(tl.int64) * BLOCK + kpos % BLOCK
             kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=keys[:, None], other=0.0)  # [TILE, D]
+            k = tl.load(k_ptr + kv_offsets, mask=keys[:, None] & dims[None, :], other=0.0)  # [TILE, DP]
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -229,7 +232,7 @@ def _prefill_attention_kernel(
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_ref[:, None])
             alpha = tl.exp(m - m_ref)
-            v = tl.load(v_ptr + kv_offsets, mask=keys[:, None], other=0.0)  # [TILE, D]
+            v = tl.load(v_ptr + kv_offsets, mask=keys[:, None] & dims[None, :], other=0.0)  # [TILE, DP]
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -239,7 +242,7 @@ def _prefill_attention_kernel(
             m = m_new
         out = acc / den[:, None]
         out_offsets = (q_start + qi).to(tl.int64)[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dims[None, :])
 
 
 def prefill_attention(
@@ -261,7 +264,7 @@ def prefill_attention(
         q, k_cache, v_cache, out, meta.block_tables, meta.cu_seq_q, meta.context_lens, meta.tile_seqs, meta.tile_starts,
         len(meta.context_lens), scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.block_tables.stride(0), out.stride(0), out.stride(1),
-        G=groups, GP=triton.next_power_of_2(groups), D=dim, BLOCK=meta.block_size, TILE_Q=meta.tile_queries, TILE=tile or (64 if dim <= 64 else 32),
+        G=groups, GP=triton.next_power_of_2(groups), D=dim, DP=triton.next_power_of_2(dim), BLOCK=meta.block_size, TILE_Q=meta.tile_queries, TILE=tile or (64 if dim <= 64 else 32),
         IEEE=q.dtype == torch.float32, WINDOW=window, SOFTCAP=softcap, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

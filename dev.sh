@@ -60,10 +60,31 @@ install_torch() {
         say "installing $spec, the CPU build (--index-url https://download.pytorch.org/whl/cpu; the longest step)"
         pip_install "$spec" --index-url https://download.pytorch.org/whl/cpu
         return
+      fi
+      # No CPU index: where pip's own configuration names a local wheel folder (find-links) holding a CPU build in the
+      # range, take it; the range alone would take the newest build, on Linux the CUDA one (GBs of CUDA libraries).
+      if [ -z "${TANDEM_TORCH:-}" ]; then
+        local cpu; cpu=$(local_cpu_torch "$spec")
+        if [ -n "$cpu" ]; then
+          say "installing torch==$cpu, the CPU build found in pip's find-links (the longest step)"
+          pip_install "$spec" "torch==$cpu"
+          return
+        fi
+        say "no CPU build of $spec reachable: pip may take the CUDA build (GBs); set TANDEM_TORCH to choose one"
       fi ;;
   esac
   say "installing $spec (the longest step)"
   pip_install "$spec"
+}
+
+local_cpu_torch() {  # the newest torch X+cpu wheel for this Python in pip's find-links folders, if pip accepts it with the range
+  local dirs; dirs=$("$PY" -m pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$/\1/p" | tr ' ' '\n')
+  [ -n "$dirs" ] || return 0
+  local tag; tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  local v
+  for v in $(for d in $dirs; do ls "${d#file://}" 2>/dev/null; done | sed -n "s/^torch-\([0-9.]*+cpu\)-$tag-.*\.whl$/\1/p" | sort -t. -k1,1nr -k2,2nr -k3,3nr | uniq); do
+    if "$PY" -m pip install --dry-run --quiet "$1" "torch==$v" >/dev/null 2>&1; then echo "$v"; return 0; fi
+  done
 }
 
 stamp() {  # what the install depends on: pyproject.toml, the interpreter and its environment, TANDEM_TORCH

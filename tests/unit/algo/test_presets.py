@@ -37,7 +37,7 @@ def test_epsilon_high_overrides_upper_clip_only():
         ({"scale_rewards": "std"}, "--scale_rewards must be"),
         ({"epsilon": 1.5}, "--epsilon must be in"),
         ({"epsilon_high": -0.1}, "--epsilon_high must be"),
-        ({"beta": -1.0}, "--beta must be >= 0"),
+        ({"beta": -1.0}, "--beta must be a finite number >= 0"),
         ({"num_iterations": 0}, "--num_iterations must be >= 1"),
         ({"tis_cap": 0.5}, "--tis_cap must be 0 (off) or >= 1"),
         ({"max_completion_length": 0}, "--max_completion_length must be >= 1"),

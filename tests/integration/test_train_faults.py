@@ -208,6 +208,9 @@ def _bad_input(case: str, tmp_path: Path, tiny_model_dir: str) -> list[str]:
         case "empty_prompt":
             data.write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
             return base
+        case "lone_surrogate":  # half a UTF-16 pair: the tokenizer raised TypeError, a traceback (issue 36)
+            data.write_text('{"prompt": "hello"}\n{"prompt": "hi \\ud800"}\n')
+            return base
     raise AssertionError(case)
 
 
@@ -219,6 +222,7 @@ def _bad_input(case: str, tmp_path: Path, tiny_model_dir: str) -> list[str]:
         ("unsafe_yaml_tag", "is not plain YAML"), ("yaml_wrong_type", "setting learning_rate: 'fast' is not a number"),
         ("output_dir_is_a_file", "is a file"), ("zero_max_steps", "--max_steps must be >= 1"),
         ("negative_save_steps", "--save_steps and --save_total_limit must be >= 0"), ("empty_prompt", "prompt of row 1 of dataset"),
+        ("lone_surrogate", "prompt holds a lone surrogate '\\ud800' at character 3"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, case, expected):

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from tandemrl.data.prompts import lone_surrogate
 from tandemrl.types import Example
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -38,7 +39,41 @@ def load_rows(spec: str, *, split: str = "train", limit: int | None = None, conf
         rows = _read_hub(spec, split, limit, config)
     if not rows:
         raise ValueError(f"dataset {spec} has no rows (split {split!r}); pass a dataset with at least one row")
+    check_text(rows, spec)
     return rows
+
+
+def check_text(rows: list[dict[str, Any]], source: str) -> None:
+    """Every string of every row (prompt, messages, columns, at any depth) is Unicode text; else a ValueError
+    naming the row and field. A lone surrogate (JSON's "\\ud800") made the tokenizer raise a TypeError
+    (issue 36), and UTF-8 cannot write it; it is refused, not replaced, so no reward sees altered data.
+
+    Example: row 3 {"prompt": [{"role": "user", "content": "hi \\ud800"}]} -> "row 3 of dataset d.jsonl:
+    prompt[0].content holds a lone surrogate ..."
+    """
+    for index, row in enumerate(rows):
+        for field, text in _strings(row, ""):
+            at = lone_surrogate(text)
+            if at is not None:
+                raise ValueError(
+                    f"row {index} of dataset {source}: {field} holds a lone surrogate {text[at]!r} at character {at}, "
+                    "which is not Unicode text (half of a UTF-16 pair); fix the row or drop it"
+                )
+
+
+def _strings(value: Any, path: str) -> Any:
+    """(path, text) of every string in `value`, keys included. Example: {"a": ["x"]} -> ("the name of a", "a"), ("a[0]", "x")"""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                yield f"the name of {name}", key
+            yield from _strings(item, name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{path}[{i}]")
 
 
 def rows_to_examples(rows: list[dict[str, Any]], *, source: str) -> list[Example]:

@@ -32,6 +32,20 @@ def encode_prompt(tokenizer: Any, prompt: str | list[Message], *, tools: list[di
     return [int(i) for i in ids]
 
 
+def lone_surrogate(text: str) -> int | None:
+    """The position of the first lone surrogate in `text` (half of a UTF-16 pair: JSON's "\\ud800" decodes to
+    one), or None. No tokenizer takes such text (transformers' fast ones raise TypeError) and UTF-8 cannot
+    write it, so it is refused where text comes in (a dataset row, a server's request).
+
+    Example: lone_surrogate("ok \\ud800") -> 3; lone_surrogate("ok") -> None
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
 def check_prompt_length(ids: list[int], max_prompt_length: int, index: int) -> None:
     """Raises ValueError when example `index`'s prompt has more than `max_prompt_length` tokens."""
     if len(ids) > max_prompt_length:

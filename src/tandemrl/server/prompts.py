@@ -13,6 +13,7 @@ import asyncio
 import inspect
 from typing import Any
 
+from tandemrl.data.prompts import lone_surrogate
 from tandemrl.types import SamplingParams
 
 
@@ -46,10 +47,9 @@ class Prompter:
     def checked_text(self, text: str) -> str:
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"the prompt has {len(text)} characters; this server takes at most {self.max_prompt_chars} (--max_prompt_chars)")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {error.start}") from None
+        at = lone_surrogate(text)
+        if at is not None:
+            raise ValueError(f"the prompt is not valid Unicode: a lone surrogate at character {at}")
         return text
 
     def chat_text(self, messages: list[dict], chat_template_kwargs: dict[str, Any]) -> str:

@@ -120,3 +120,21 @@ def test_an_empty_prompt_is_refused_at_load_naming_the_row(tmp_path, prompt) -> 
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
     with pytest.raises(ValueError, match=r"^prompt of row 1 of dataset .* is empty; give every row a prompt with text, or drop the row$"):
         load_examples(path)
+
+
+def test_a_lone_surrogate_anywhere_in_a_row_is_one_line_naming_row_and_field(tmp_path) -> None:
+    """JSON's "\\ud800" decodes to half a UTF-16 pair, which no tokenizer takes: the run died in the tokenizer
+    with a TypeError traceback (issue 36). Every string of a row is checked, chat messages and columns too."""
+    good = '{"prompt": "fine", "answer": "1"}\n'
+    cases = {
+        '{"prompt": "hi \\ud800", "answer": "2"}\n': "row 1 of dataset {}: prompt holds a lone surrogate '\\ud800' at character 3",
+        '{"prompt": [{"role": "user", "content": "\\udc80x"}]}\n': "row 1 of dataset {}: prompt[0].content holds a lone surrogate '\\udc80' at character 0",
+        '{"prompt": "hi", "answer": "4\\ud83d"}\n': "row 1 of dataset {}: answer holds a lone surrogate '\\ud83d' at character 1",
+    }
+    for line, message in cases.items():
+        path = tmp_path / "d.jsonl"
+        path.write_text(good + line)
+        with pytest.raises(ValueError, match=re.escape(message.format(path))):
+            load_examples(str(path))
+    path.write_text(good + '{"prompt": "a pair is fine: \\ud83d\\ude00"}\n')
+    assert load_examples(str(path))[1].prompt == "a pair is fine: \U0001f600"

@@ -228,6 +228,7 @@ def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """The {flag: value} of a --config file, null values left out (they mean "not set")."""
     import yaml
 
     try:
@@ -242,7 +243,10 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is not plain YAML{where}: {problem}; write flag: value lines") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of flag names to values")
-    return data
+    # null is "not set", as if the line were absent: the recipe's or the default value applies. TRL writes
+    # null for its unset keys; a None that reached a number crashed (`max_steps: null`, rollout's `port: null`),
+    # and `learning_rate: null` skipped the task recipe's rate for the dataclass default
+    return {key: value for key, value in data.items() if value is not None}
 
 
 def check_known(

@@ -190,3 +190,26 @@ def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
 def test_non_finite_and_out_of_range_values_are_one_line_naming_the_flag(flags, message):
     with pytest.raises(ValueError, match=message):
         parse(flags)
+
+
+def test_a_null_in_yaml_is_a_key_not_set_for_every_key(tmp_path):
+    """`max_steps: null` was a TypeError traceback, `optim: null` (TRL's unset) refused, `learning_rate: null`
+    the dataclass default instead of the task recipe's (issue 36). Every flag and TRL key, set to null, is now
+    the run without that line."""
+    from tandemrl.cli import trl
+
+    path = tmp_path / "run.yaml"
+    names = [f.name for leaf in LEAVES for f in dataclasses.fields(leaf)] + sorted(trl.TRL_KEYS)
+    path.write_text("".join(f"{name}: null\n" for name in names))
+    assert parse(["--config", str(path)])[0] == parse([])[0]
+    path.write_text("learning_rate: null\nmax_steps: null\n")
+    config, _ = parse(["--config", str(path)])
+    assert config.trainer.learning_rate == 1e-3 and config.run.max_steps == parse([])[0].run.max_steps  # the recipe's
+
+
+def test_rollout_yaml_null_is_the_default(tmp_path):
+    from tandemrl.cli.rollout import parse as parse_rollout
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tandem:tiny\nport: null\nmax_num_seqs: null\n")
+    assert parse_rollout(["--config", str(path)]) == parse_rollout(["--model", "tandem:tiny"])

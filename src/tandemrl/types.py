@@ -92,6 +92,11 @@ class SamplingParams:
         return off if self.top_k == -1 else self.top_k
 
     @property
+    def top_k_alone(self) -> int:
+        """top_k where it is the only filter (the trainer then keeps its own top_k: algo/logprobs.py), else 0."""
+        return self.top_k if self.top_k != -1 and self.top_p >= 1.0 and self.min_p <= 0.0 else 0
+
+    @property
     def filters(self) -> bool:
         """True when top-k, top-p or min-p excludes tokens (plain temperature sampling does not)."""
         return self.top_p < 1.0 or self.min_p > 0.0 or self.top_k != -1

@@ -11,6 +11,10 @@ logits' gradient are single-pass Triton kernels over the raw logits (algo/logpro
 path (compiled on CUDA) is the reference and the CPU path. Given the sampler's logit floors (top-k, top-p,
 min-p: generation/engine/layers/sampler.py), a row keeps only the tokens the sampler kept and renormalises
 over them, so a token is scored under the truncated distribution it was drawn from (ratio 1 at lag 0).
+Under top-k alone (`top_k`), a row keeps its own k largest logits instead (the target among them): a
+fixed floor makes the kept set jump where the trainer's logits and the sampler's differ by numerics across
+it, and near the k-th logit of a flat distribution (the sampler's bf16 logits tie there) that moves whole
+tokens of ~1/k probability each; the k largest move only by a swap of two near-equal logits.
 """
 
 from __future__ import annotations
@@ -65,22 +69,34 @@ EXCLUDED = -1e20
 (an -inf would make them NaN), and exp of it is 0 at every temperature."""
 
 
-def truncated(logits: Tensor, floors: Tensor | None, target_ids: Tensor, temperature: float) -> Tensor:
+def truncated(logits: Tensor, floors: Tensor | None, target_ids: Tensor, temperature: float, top_k: int = 0) -> Tensor:
     """Logits [C, V] (before the temperature) with the tokens below each row's floor (tempered units,
     floors [C]) set to EXCLUDED; the target always stays. None or -inf floors keep everything.
+    top_k > 0 (the sampler's only filter): a row with a floor keeps its own top_k largest logits instead,
+    the target among them (the top_k - 1 largest and the target where the target is not).
 
     Example: logits [[3, 1, 2]], floors [1.5], target [0], temperature 1 -> [[3, -1e20, 2]]
+    Example: logits [[3, 1, 2]], floors [1.5], target [1], temperature 1, top_k 2 -> [[3, 1, -1e20]]
     """
     if floors is None:
         return logits
-    keep = logits >= (floors * temperature)[:, None]  # [C, V]; the floor lies halfway to the excluded, past numerics
+    if 0 < top_k < logits.shape[-1]:
+        largest = logits.topk(top_k, dim=-1).values  # [C, k], descending
+        target = logits.gather(-1, target_ids[:, None])  # [C, 1]
+        kth = largest[:, -1:]
+        bound = torch.where(target >= kth, kth, largest[:, -2:-1] if top_k > 1 else target)  # [C, 1]
+        keep = (logits >= bound) | (floors == float("-inf"))[:, None]  # [C, V]; a row the sampler did not filter keeps all
+    else:
+        keep = logits >= (floors * temperature)[:, None]  # [C, V]; the floor lies halfway to the excluded, past numerics
     keep.scatter_(-1, target_ids[:, None], True)
     return logits.masked_fill(~keep, EXCLUDED)
 
 
-def _logits(hidden: Tensor, weight: Tensor, temperature: float, floors: Tensor | None = None, target_ids: Tensor | None = None) -> Tensor:
-    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V], truncated at `floors` when given."""
-    logits = truncated(_mm_f32(hidden, weight.t()), floors, target_ids, temperature)  # [C, V]
+def _logits(
+    hidden: Tensor, weight: Tensor, temperature: float, floors: Tensor | None = None, target_ids: Tensor | None = None, top_k: int = 0,
+) -> Tensor:
+    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V], truncated at `floors` (or its own top_k) when given."""
+    logits = truncated(_mm_f32(hidden, weight.t()), floors, target_ids, temperature, top_k)  # [C, V]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -169,11 +185,11 @@ def _capped(rows: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tenso
     return squashed * softcap, squashed
 
 
-def _chunk_stats(hidden: Tensor, softcap: float = 0.0):
+def _chunk_stats(hidden: Tensor, softcap: float = 0.0, top_k: int = 0):
     """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy, floors [C] | None) -> (lse, logprobs, entropy) [C]."""
     if softcap:  # the capped logits, then the torch path's statistics
         def capped(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
-            logits = truncated(_capped(rows, weight, softcap)[0], floors, target_ids, temperature)
+            logits = truncated(_capped(rows, weight, softcap)[0], floors, target_ids, temperature, top_k)
             return _row_stats(logits / temperature if temperature != 1.0 else logits, target_ids, with_entropy)
 
         return capped
@@ -181,25 +197,25 @@ def _chunk_stats(hidden: Tensor, softcap: float = 0.0):
         from tandemrl.algo.logprobs_kernel import row_stats
 
         def kernel(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
-            return row_stats(truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature), target_ids, temperature, with_entropy)
+            return row_stats(truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature, top_k), target_ids, temperature, with_entropy)
 
         return kernel
     stats = _maybe_compiled(_row_stats, hidden)
 
     def torch_path(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
-        return stats(_logits(rows, weight, temperature, floors, target_ids), target_ids, with_entropy)
+        return stats(_logits(rows, weight, temperature, floors, target_ids, top_k), target_ids, with_entropy)
 
     return torch_path
 
 
-def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0):
+def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0, top_k: int = 0):
     """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature, floors) ->
     the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`; an excluded
     token's is 0, as its probability)."""
     if softcap:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh^2
         def capped(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
             logits, squashed = _capped(rows, weight, softcap)
-            logits = truncated(logits, floors, target_ids, temperature)
+            logits = truncated(logits, floors, target_ids, temperature, top_k)
             grad = _logits_grad(logits / temperature if temperature != 1.0 else logits, lse, target_ids, *per_row, temperature, torch.float32)
             return (grad * (1 - squashed * squashed)).to(weight.dtype)
 
@@ -208,14 +224,14 @@ def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0):
         from tandemrl.algo.logprobs_kernel import logits_grad
 
         def kernel(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
-            logits = truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature)
+            logits = truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature, top_k)
             return logits_grad(logits, lse, target_ids, *per_row, temperature, weight.dtype)
 
         return kernel
     grad_fn = _maybe_compiled(_logits_grad, hidden)
 
     def torch_path(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
-        return grad_fn(_logits(rows, weight, temperature, floors, target_ids), lse, target_ids, *per_row, temperature, weight.dtype)
+        return grad_fn(_logits(rows, weight, temperature, floors, target_ids, top_k), lse, target_ids, *per_row, temperature, weight.dtype)
 
     return torch_path
 
@@ -224,15 +240,15 @@ class _LinearLogprobs(torch.autograd.Function):
     """logprobs [N] and entropy [N] of target_ids under softmax(hidden @ weight^T / T)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0, floors=None):  # noqa: ANN001
+    def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0, floors=None, top_k=0):  # noqa: ANN001
         logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
-        stats = _chunk_stats(hidden, softcap)
+        stats = _chunk_stats(hidden, softcap, top_k)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             chunk_floors = None if floors is None else floors[rows]
             lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy, chunk_floors)
         ctx.save_for_backward(hidden, weight, target_ids, lse, entropy, floors)
-        ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
+        ctx.temperature, ctx.chunk_size, ctx.softcap, ctx.top_k = temperature, chunk_size, softcap, top_k
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -246,7 +262,7 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_entropy = torch.zeros_like(lse)
         grad_hidden = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None  # contiguous: mm writes its rows
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        logits_grad = _chunk_logits_grad(hidden, ctx.softcap)
+        logits_grad = _chunk_logits_grad(hidden, ctx.softcap, ctx.top_k)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             grad = logits_grad(
@@ -257,7 +273,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]
             if grad_weight is not None:  # [V, H], float32 across chunks
                 _add_mm_f32(grad_weight, grad.t(), hidden[rows], in_matmul=_use_triton(hidden))
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -270,9 +286,11 @@ def logprobs_and_entropy(
     with_entropy: bool = True,
     softcap: float = 0.0,
     floors: Tensor | None = None,
+    top_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Logprob of each target token under softmax(lm_head(hidden) / temperature), and its entropy; with
-    `floors` [N] (the sampler's, tempered units) under the softmax over the tokens the sampler kept.
+    `floors` [N] (the sampler's, tempered units) under the softmax over the tokens the sampler kept; with
+    `top_k` > 0 too (top-k the sampler's only filter), over each filtered row's own top_k largest (`truncated`).
 
     hidden [N, H], target_ids [N] -> logprobs [N] float32, entropy [N] float32 (zeros unless
     with_entropy; both carry gradients, so an entropy bonus can train). Dividing by the sampling temperature scores tokens under the
@@ -289,4 +307,4 @@ def logprobs_and_entropy(
     weight = lm_head.weight  # [V, H]
     if hidden.dtype != weight.dtype:  # under autocast the decoder may hand over another dtype than the head's
         hidden = hidden.to(weight.dtype)
-    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy, float(softcap), floors)
+    return _LinearLogprobs.apply(hidden, weight, target_ids, float(temperature), chunk_size, with_entropy, float(softcap), floors, int(top_k))

@@ -75,6 +75,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     early = _rollout_side(config, plan, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
     trainer = Trainer(
         config.trainer, config.algo, model, max_steps=plan.loop.max_steps, temperature=plan.sampling.temperature,
+        top_k=plan.sampling.top_k_alone,
         offload=config.offload, dp=dp,
     )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)

@@ -145,20 +145,20 @@ def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -
 
 def packed_logprobs(
     model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, trained_index: torch.Tensor, target_ids: torch.Tensor,
-    attention: dict, *, temperature: float, chunk_size: int, with_entropy: bool, floors: torch.Tensor | None = None,
+    attention: dict, *, temperature: float, chunk_size: int, with_entropy: bool, floors: torch.Tensor | None = None, top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs and entropy [T] of the trained targets of a packed row; no [N, V] logits ever exist.
 
     input_ids, position_ids [1, N]; trained_index [T]; target_ids [N]; attention: the row's layout kwargs;
     floors [N]: the sampler's logit floors (PackedBatch.logit_floors), so each target is scored under the
-    truncated distribution it was sampled from.
+    truncated distribution it was sampled from (top_k: see algo/logprobs.py's `truncated`).
     """
     hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention).last_hidden_state  # [1, N, H]
     return logprobs_and_entropy(
         hidden[0, trained_index], model.get_output_embeddings(), target_ids[trained_index],
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
         softcap=getattr(model.config, "final_logit_softcapping", None) or 0.0,  # Gemma 2
-        floors=None if floors is None else floors[trained_index],
+        floors=None if floors is None else floors[trained_index], top_k=top_k,
     )  # fmt: skip
 
 

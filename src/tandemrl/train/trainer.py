@@ -43,7 +43,7 @@ class Trainer:
     """Owns the policy's optimizer state and its policy_version (the count of optimizer steps)."""
 
     def __init__(
-        self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0,
+        self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0, top_k: int = 0,
         offload: OffloadConfig | None = None, dp: DataParallel = SINGLE,
     ) -> None:
         self.config = config
@@ -58,6 +58,7 @@ class Trainer:
         self._published: tuple[Any, list] | None = None  # (model, its named parameters): listed once, by published_weights
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_k = top_k  # > 0: the sampler's only filter, so each filtered row keeps its own top_k (algo/logprobs.py)
         if config.disable_dropout:
             disable_dropout(model)
         self.route_layout = route_layout(unwrap(model))  # an MoE policy's: the routes it replays (None: dense)
@@ -212,7 +213,7 @@ class Trainer:
         return zeros.index_put((trained,), logprobs), zeros.index_put((trained,), entropy)
 
     def _head_options(self, with_entropy: bool) -> dict:
-        return dict(temperature=self.temperature, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy)
+        return dict(temperature=self.temperature, top_k=self.top_k, chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy)
 
     @torch.no_grad()
     def _score(self, model: Any, traces: list[TokenTrace], plan: list[list[int]], budget: int) -> list[torch.Tensor]:

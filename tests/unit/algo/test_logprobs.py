@@ -68,6 +68,60 @@ def test_floors_score_under_the_truncated_softmax_in_value_gradient_and_entropy(
     assert (logprobs - _plain(hidden, head, target_ids, temperature)[0]).abs().max() > 0.1  # truncation changed them
 
 
+def test_top_k_alone_keeps_each_rows_own_k_largest_with_the_target_in_value_and_gradient():
+    """Under top-k alone a filtered row is the softmax over its own k largest logits, or over its k - 1 largest and the
+    target where the target is not among them; a row without a floor keeps everything."""
+    hidden, head, target_ids = _case()
+    k, temperature = 10, 0.7
+    floors = torch.zeros(len(target_ids))  # any finite floor: the row was filtered (its value is not used)
+    floors[::3] = float("-inf")
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8, floors=floors, top_k=k)
+    ((logprobs + entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    full = head(hidden).float() / temperature
+    order = full.detach().argsort(-1, descending=True)  # [N, V]
+    kept = torch.zeros_like(full, dtype=torch.bool)
+    for row in range(len(target_ids)):
+        ranked = order[row].tolist()
+        own = ranked[:k] if target_ids[row] in ranked[:k] else ranked[: k - 1] + [int(target_ids[row])]
+        kept[row, own if floors[row] > float("-inf") else ranked] = True
+    assert (kept.sum(-1)[floors > float("-inf")] == k).all()
+    ref = full.masked_fill(~kept, float("-inf")).log_softmax(-1)
+    ref_logprobs = ref.gather(-1, target_ids[:, None]).squeeze(-1)
+    ref_entropy = -(ref.exp() * ref.masked_fill(~kept, 0.0)).sum(-1)
+    ((ref_logprobs + ref_entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
+    torch.testing.assert_close((logprobs, entropy), (ref_logprobs, ref_entropy), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+
+
+def test_top_k_alone_agrees_with_a_bf16_sampler_as_well_as_no_filter_does():
+    """The sampler's logits are bf16 (the engine's), the trainer's float32. Near the k-th logit of a flat distribution
+    bf16 ties several tokens; the sampler keeps exactly k of them, and a fixed floor between its k-th and (k+1)-th
+    then lets the trainer keep whichever of the tied tokens its float32 logits put above it: whole tokens of ~1/k
+    probability in or out (issue 34: --top_k 50 gave 9.2x the defaults' lag-0 KL on the H200). The trainer's own
+    top-k agrees with the sampler as closely as the unfiltered softmaxes do."""
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab, k = 64, 32768, 50
+    exact = torch.randn(rows, vocab, generator=generator)  # a random model's near-flat logits
+    sampler = exact.bfloat16().float()
+    trainer = exact + torch.randn(rows, vocab, generator=generator) * 0.003  # its own numerics too
+    kept_ids = sampler.topk(k, dim=-1).indices  # exactly k, as the engine's kernels keep
+    kept = torch.zeros_like(sampler, dtype=torch.bool).scatter(-1, kept_ids, True)
+    floors = (sampler.masked_fill(~kept, float("inf")).min(-1).values + sampler.masked_fill(kept, float("-inf")).max(-1).values) / 2
+    assert (sampler == sampler.masked_fill(~kept, float("inf")).min(-1, keepdim=True).values).sum(-1).float().mean() > 2  # ties
+    target_ids = kept_ids[:, 3]
+    sampled = sampler.masked_fill(~kept, float("-inf")).log_softmax(-1).gather(-1, target_ids[:, None])[:, 0]
+    eye = torch.nn.Linear(vocab, vocab, bias=False)
+    torch.nn.init.eye_(eye.weight)
+    with torch.no_grad():
+        by_floor = logprobs_and_entropy(trainer, eye, target_ids, floors=floors, chunk_size=16)[0]
+        by_own_k = logprobs_and_entropy(trainer, eye, target_ids, floors=floors, chunk_size=16, top_k=k)[0]
+    unfiltered = ((trainer.log_softmax(-1) - sampler.log_softmax(-1)).gather(-1, target_ids[:, None]) ** 2).mean()
+    assert ((by_own_k - sampled) ** 2).mean() < 1.5 * unfiltered
+    assert ((by_floor - sampled) ** 2).mean() > 4 * unfiltered  # what the floor alone gives: why top-k keeps its own
+
+
 def _saved_shapes(fn) -> list[tuple[int, ...]]:
     """Shapes of the tensors autograd saves for backward while `fn` runs."""
     shapes = []

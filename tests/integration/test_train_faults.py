@@ -245,3 +245,59 @@ def test_runs_started_together_get_their_own_directories_and_a_failed_run_leaves
     assert failed.returncode == 2 and (tmp_path / "runs" / "latest").resolve() == latest
     again = tandem("train", "--output_dir", str(runs[0]), "--max_steps", "1", *TINY)
     assert again.returncode == 2 and "already holds a run; pass --resume" in again.stderr
+
+
+SMALL = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4"]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A run of 2 steps with checkpoint-1 and checkpoint-2, made once; each test works on its own copy."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    result = tandem("train", "--output_dir", str(run), "--max_steps", "2", "--save_steps", "1", "--save_total_limit", "0", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_resume_passes_over_a_truncated_trainer_state_to_the_older_checkpoint(tmp_path, two_checkpoints):
+    """--resume with the newest trainer_state.pt cut short was a traceback (issue 36)."""
+    run = shutil.copytree(two_checkpoints, tmp_path / "run")
+    state = run / "checkpoint-2" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    result = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert "trainer state (trainer_state.pt) of checkpoint-2 (" in line and line.endswith("resuming from checkpoint-1, the newest that reads")
+    assert f"resuming from {run / 'checkpoint-1'} (step 1" in result.stderr
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3] and all_finite(run / "checkpoint-3")  # step 2 trained again
+
+
+def _no_larger_files(limit: int):
+    def apply() -> None:  # in the child: a write past `limit` bytes fails with EFBIG, as on a full disk
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_the_previous_one_stays(tmp_path, two_checkpoints):
+    """A checkpoint written past `ulimit -f` (safetensors' or torch.save's write fails, as on a full disk) was a
+    traceback (issue 36). The model file (~380 kB) passes 500 kB and the trainer state (~800 kB) does not: torch.save's
+    zip writer says only "unexpected pos", so the limit is found by looking (tests/unit/train: the OS error's text)."""
+    from tandemrl.train.checkpoint import latest_checkpoint
+
+    run = shutil.copytree(two_checkpoints, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in (run / "checkpoint-2").iterdir()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tandemrl", "train", "--output_dir", str(run), "--resume", "--max_steps", "3", *SMALL],
+        capture_output=True, text=True, timeout=300, env=env, preexec_fn=_no_larger_files(500_000),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    (line,) = error_lines(result)
+    assert line.startswith(f"tandem train: error: cannot write checkpoint-3 in {run}: a file reached the file size limit of 500000 bytes"), line
+    assert line.endswith(f"continue from checkpoint-2 with: tandem train --output_dir {run} --resume"), line
+    assert latest_checkpoint(run) == run / "checkpoint-2" and not (run / "checkpoint-3").exists()
+    assert not list(run.glob(".tmp-*")) and {p.name: p.read_bytes() for p in (run / "checkpoint-2").iterdir()} == before

@@ -38,7 +38,7 @@ from tandemrl.rollout.env import open_tool_env
 from tandemrl.rollout.run import MultiTurn
 from tandemrl.tasks import Task, get_task
 from tandemrl.tasks.synthetic import TINY_MODEL
-from tandemrl.train.checkpoint import latest_checkpoint, load_state, set_rng_state, sharded_optimizer
+from tandemrl.train.checkpoint import how_to_continue, latest_checkpoint, resumable_checkpoint, set_rng_state, sharded_optimizer
 from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
 from tandemrl.train.forward import compute_dtype
 from tandemrl.train.trainer import Trainer
@@ -57,7 +57,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     dp = start_ranks(config, use_cuda=device.type == "cuda")
     device = dp.device(device)
     run_dir = Path(dp.broadcast(str(_run_dir(config)) if dp.is_main else None))
-    checkpoint = _resume_point(config, run_dir)
+    checkpoint, state = _resume_point(config, run_dir)
     memory = _memory_plan(config, device, dp.world_size)  # before anything loads; None on a CPU
     if memory is not None:  # its levers and sizes applied, and the run resolved again with them
         config = with_plan(config, memory)
@@ -79,7 +79,6 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         offload=config.offload, dp=dp,
     )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)
-    state = load_state(checkpoint) if checkpoint is not None else None
     if state is not None:
         trainer.load_state_dict(state["trainer"], optimizer_shards=sharded_optimizer(checkpoint))
         cursor.load_state_dict(state["cursor"])
@@ -223,14 +222,6 @@ def _run_dir(config: TrainConfig) -> Path:
     raise AssertionError("unreachable")
 
 
-def how_to_continue(run_dir: Path) -> str:
-    """The command that continues a stopped run (its flags are in its config.yaml), or says none is needed."""
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        return f"no checkpoint yet in {run_dir}: run the same command with --output_dir {run_dir} to start it again in place"
-    return f"continue from {checkpoint.name} with: tandem train --output_dir {run_dir} --resume"
-
-
 def _set_aside(run_dir: Path, *, resumed: bool) -> None:
     """A run directory without a complete checkpoint (a run that failed before its first) is reused: the files
     of that attempt move to attempt-<date-time>/ inside it, said in one line."""
@@ -260,10 +251,10 @@ def _point_latest(run_dir: Path) -> None:
         latest.symlink_to(run_dir.resolve(), target_is_directory=True)
 
 
-def _resume_point(config: TrainConfig, run_dir: Path) -> Path | None:
-    if not config.checkpoint.resume:
-        return None
-    return latest_checkpoint(run_dir)  # None: _run_dir said so, and the run starts afresh
+def _resume_point(config: TrainConfig, run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume from and its trainer state: the newest that reads (a torn one is passed over)."""
+    found = resumable_checkpoint(run_dir) if config.checkpoint.resume else None
+    return found if found is not None else (None, None)  # None: _run_dir said so, and the run starts afresh
 
 
 def _policy(config: TrainConfig, checkpoint: Path | None, device: torch.device | None = None) -> tuple[Any, Any]:

@@ -4,13 +4,16 @@ the adapter (peft's format; the base is --model), and on request the merged mode
 
 Invariant: a directory named checkpoint-<step> is complete and its weights are finite. It is written
 under a temporary name and renamed at the end, so a crash mid-save leaves only a temporary directory
-that resume ignores. Under torchrun rank 0 writes the whole model (gathered from the FSDP shards) and the
+that resume ignores; a write the disk refuses (full, or past `ulimit -f`) removes it and stops the run in
+one line (exit 1), the checkpoints before it untouched. Under torchrun rank 0 writes the whole model (gathered from the FSDP shards) and the
 trainer state, and every rank its optimizer shard into optimizer/ (torch.distributed.checkpoint), which
 loads on any rank count, one process included.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import re
@@ -22,10 +25,13 @@ import numpy as np
 import torch
 
 from tandemrl.train.distributed import SINGLE, DataParallel, full_state_dict, full_tensor, save_optimizer, untied
+from tandemrl.types import RunStopped
 
+log = logging.getLogger(__name__)
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
 OPTIMIZER_DIR = "optimizer"  # the sharded optimizer state of a torchrun run
+DISK_FULL_BYTES = 1 << 20  # a write that failed with less free than this failed for want of space
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,28 +65,69 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
-    if dp.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if dp.enabled:
-        dp.barrier()
-        save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)
-    if save_merged:  # under torchrun every rank gathers the merged weights; rank 0 writes them
-        from tandemrl.train.lora import save_merged as write_merged
+    try:
+        if dp.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if dp.enabled:
+            dp.barrier()
+            save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)
+        if save_merged:  # under torchrun every rank gathers the merged weights; rank 0 writes them
+            from tandemrl.train.lora import save_merged as write_merged
 
-        write_merged(model, tmp / "merged" if dp.is_main else None, gather=full_tensor if dp.enabled else None)
+            write_merged(model, tmp / "merged" if dp.is_main else None, gather=full_tensor if dp.enabled else None)
+        if dp.is_main:
+            # a peft model writes its adapter; a sharded one its gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": untied(model, whole)} if dp.enabled else {}))
+            tokenizer.save_pretrained(tmp)
+            if save_merged:
+                tokenizer.save_pretrained(tmp / "merged")
+            torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
+    except Exception as error:
+        reason = disk_failure(error, run_dir)
+        if reason is None:  # not the disk: a bug, raised as is
+            raise
+        if dp.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; the checkpoints before it are untouched
+        raise RunStopped(f"cannot write checkpoint-{step} in {run_dir}: {reason}; make room (disk space, ulimit -f), then {how_to_continue(run_dir)}") from None
     if dp.is_main:
-        # a peft model writes its adapter; a sharded one its gathered weights
-        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": untied(model, whole)} if dp.enabled else {}))
-        tokenizer.save_pretrained(tmp)
-        if save_merged:
-            tokenizer.save_pretrained(tmp / "merged")
-        torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _prune(run_dir, limit)
     dp.barrier()
     return final
+
+
+def disk_failure(error: BaseException, path: Path) -> str | None:
+    """Why writing under `path` failed when the disk is why (it is full, or a file outgrew the file size
+    limit, `ulimit -f`), else None. safetensors and torch.save's zip writer do not raise OSError: the former
+    names the OS error in its text, the latter only "unexpected pos", so the disk and the limit are looked at.
+
+    Example: SafetensorError("... I/O error: No space left on device (os error 28)") -> "No space left on device"
+    """
+    code = getattr(error, "errno", None)
+    if code is None and (found := re.search(r"os error (\d+)", str(error))):
+        code = int(found.group(1))
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return os.strerror(code)
+    if code == errno.EFBIG:
+        return f"{os.strerror(code)} (past the file size limit, ulimit -f)"
+    if shutil.disk_usage(path).free < DISK_FULL_BYTES:
+        return f"{os.strerror(errno.ENOSPC)} ({path})"
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else f"a file reached the file size limit of {limit} bytes (ulimit -f)"
+
+
+def how_to_continue(run_dir: Path) -> str:
+    """The command that continues a stopped run (its flags are in its config.yaml), or says none is needed."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"no checkpoint yet in {run_dir}: run the same command with --output_dir {run_dir} to start it again in place"
+    return f"continue from {checkpoint.name} with: tandem train --output_dir {run_dir} --resume"
 
 
 def sharded_optimizer(checkpoint: Path) -> Path | None:
@@ -91,14 +138,45 @@ def sharded_optimizer(checkpoint: Path) -> Path | None:
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint in run_dir, or None."""
+    found = _complete(run_dir)
+    return found[0] if found else None
+
+
+def _complete(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of run_dir, newest first."""
     found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*") if (m := PATTERN.match(p.name))]
-    found = [(step, p) for step, p in found if (p / STATE_FILE).exists()]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True) if (p / STATE_FILE).exists()]
 
 
 def load_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint (the caller restores RNGs last, after building everything)."""
     return torch.load(checkpoint / STATE_FILE, weights_only=False)
+
+
+def resumable_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose trainer state loads, with that state, or None when run_dir has none.
+
+    A newer one whose trainer_state.pt cannot be read (truncated: a disk that filled, a copy cut short; it
+    was a traceback, issue 36) is passed over, and one warning line names it and the one resumed from instead;
+    when none can be read, a one-line ValueError says what to run."""
+    broken: list[str] = []  # "checkpoint-N (why)", newest first
+    for checkpoint in _complete(run_dir):
+        try:
+            state = load_state(checkpoint)
+        except Exception as error:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, UnpicklingError, ... on a bad file)
+            reason = " ".join(str(error).split()).split(". ")[0][:120] or type(error).__name__
+            broken.append(f"{checkpoint.name} ({reason})")
+            continue
+        if broken:
+            log.warning("the trainer state (%s) of %s cannot be read: resuming from %s, the newest that reads", STATE_FILE, "; ".join(broken), checkpoint.name)
+        return checkpoint, state
+    if broken:
+        names = " and ".join(b.split(" ")[0] for b in broken)
+        raise ValueError(
+            f"no checkpoint of {run_dir} can be resumed: the trainer state ({STATE_FILE}) of {'; '.join(broken)} cannot be read; "
+            f"start afresh with another --output_dir, or move {names} out of {run_dir} and run the same command"
+        )
+    return None
 
 
 def _prune(run_dir: Path, limit: int) -> None:

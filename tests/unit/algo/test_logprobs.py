@@ -45,26 +45,37 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(temperature):
     torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
 
 
-def test_floors_score_under_the_truncated_softmax_in_value_gradient_and_entropy():
-    """With the sampler's logit floors a row is the softmax over the tokens at or above its floor (the target
-    always among them): value, entropy and both gradients equal autograd of the masked full logits."""
-    hidden, head, target_ids = _case()
-    temperature = 0.7
-    logits = (head(hidden).float() / temperature).detach()  # [N, V]
-    floors = logits.sort(-1, descending=True).values[:, 9] - 1e-3  # ten tokens kept per row
-    floors[::3] = float("-inf")  # and some rows filter nothing
-    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8, floors=floors)
+def _matches_the_masked_softmax(hidden, head, target_ids, temperature, kept_of, **options):
+    """The head's value, entropy and both gradients equal autograd of the full logits with the tokens not in
+    kept_of(tempered logits [N, V]) -> bool [N, V] masked out; returns the head's logprobs."""
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8, **options)
     ((logprobs + entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
     full = head(hidden).float() / temperature
-    kept = (full >= floors[:, None]).scatter(-1, target_ids[:, None], True)
+    kept = kept_of(full.detach())
     ref = full.masked_fill(~kept, float("-inf")).log_softmax(-1)
     ref_logprobs = ref.gather(-1, target_ids[:, None]).squeeze(-1)
     ref_entropy = -(ref.exp() * ref.masked_fill(~kept, 0.0)).sum(-1)
     ((ref_logprobs + ref_entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
     torch.testing.assert_close((logprobs, entropy), (ref_logprobs, ref_entropy), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+    return logprobs
+
+
+def test_floors_score_under_the_truncated_softmax_in_value_gradient_and_entropy():
+    """With the sampler's logit floors a row is the softmax over the tokens at or above its floor (the target
+    always among them)."""
+    hidden, head, target_ids = _case()
+    temperature = 0.7
+    logits = (head(hidden).float() / temperature).detach()  # [N, V]
+    floors = logits.sort(-1, descending=True).values[:, 9] - 1e-3  # ten tokens kept per row
+    floors[::3] = float("-inf")  # and some rows filter nothing
+
+    def kept_of(full):
+        return (full >= floors[:, None]).scatter(-1, target_ids[:, None], True)
+
+    logprobs = _matches_the_masked_softmax(hidden, head, target_ids, temperature, kept_of, floors=floors)
     assert (logprobs - _plain(hidden, head, target_ids, temperature)[0]).abs().max() > 0.1  # truncation changed them
 
 
@@ -75,24 +86,16 @@ def test_top_k_alone_keeps_each_rows_own_k_largest_with_the_target_in_value_and_
     k, temperature = 10, 0.7
     floors = torch.zeros(len(target_ids))  # any finite floor: the row was filtered (its value is not used)
     floors[::3] = float("-inf")
-    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids, temperature=temperature, chunk_size=8, floors=floors, top_k=k)
-    ((logprobs + entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
-    grads = hidden.grad.clone(), head.weight.grad.clone()
-    hidden.grad, head.weight.grad = None, None
-    full = head(hidden).float() / temperature
-    order = full.detach().argsort(-1, descending=True)  # [N, V]
-    kept = torch.zeros_like(full, dtype=torch.bool)
-    for row in range(len(target_ids)):
-        ranked = order[row].tolist()
-        own = ranked[:k] if target_ids[row] in ranked[:k] else ranked[: k - 1] + [int(target_ids[row])]
-        kept[row, own if floors[row] > float("-inf") else ranked] = True
-    assert (kept.sum(-1)[floors > float("-inf")] == k).all()
-    ref = full.masked_fill(~kept, float("-inf")).log_softmax(-1)
-    ref_logprobs = ref.gather(-1, target_ids[:, None]).squeeze(-1)
-    ref_entropy = -(ref.exp() * ref.masked_fill(~kept, 0.0)).sum(-1)
-    ((ref_logprobs + ref_entropy) * torch.linspace(-1, 1, len(logprobs))).sum().backward()
-    torch.testing.assert_close((logprobs, entropy), (ref_logprobs, ref_entropy), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grads, (hidden.grad, head.weight.grad), atol=1e-5, rtol=1e-5)
+
+    def kept_of(full):
+        kept = torch.zeros_like(full, dtype=torch.bool)
+        for row, ranked in enumerate(full.argsort(-1, descending=True).tolist()):
+            own = ranked[:k] if target_ids[row] in ranked[:k] else ranked[: k - 1] + [int(target_ids[row])]
+            kept[row, own if floors[row] > float("-inf") else ranked] = True
+        assert (kept.sum(-1)[floors > float("-inf")] == k).all()
+        return kept
+
+    _matches_the_masked_softmax(hidden, head, target_ids, temperature, kept_of, floors=floors, top_k=k)
 
 
 def test_top_k_alone_agrees_with_a_bf16_sampler_as_well_as_no_filter_does():

@@ -17,7 +17,7 @@ from tandemrl.plan import JUDGE_MEMORY_FRACTION, EngineSizing, Plan
 from tandemrl.rewards.judge import JudgeConfig
 from tandemrl.rollout.env import ToolsConfig
 from tandemrl.train.config import CheckpointConfig, LoraConfig, OffloadConfig, TrainerConfig
-from tandemrl.types import SamplingParams
+from tandemrl.types import SamplingParams, steps_or_ratio
 from tandemrl.weights.base import DistributedSyncConfig, LocalSyncConfig
 
 _SAMPLING = SamplingParams()  # the sampling flags' defaults are SamplingParams' own
@@ -84,9 +84,10 @@ class DataConfig:
     """Evaluation prompts, as --dataset (with --task: that task's data format); empty = no evaluation."""
     eval_dataset_split: str = "test"
     """Split of a hub or saved --eval_dataset."""
-    eval_steps: int = 50
-    """TRL's name: evaluate every this many steps (and after the last) when --eval_dataset is given; the
-    metrics are the training ones prefixed eval_ (eval_reward, eval_rewards/<fn>/mean, ...), same sinks."""
+    eval_steps: float = 50
+    """TRL's name: evaluate every this many steps (below 1: TRL's ratio of the run's steps) and after the last,
+    when --eval_dataset is given; the metrics are the training ones prefixed eval_ (eval_reward,
+    eval_rewards/<fn>/mean, ...), same sinks."""
     num_generations_eval: int | None = None
     """TRL's name: completions per eval prompt (None = --num_generations)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -99,8 +100,9 @@ class DataConfig:
             raise ValueError(f"--num_generations must be >= 2 for group-relative advantages, got {self.num_generations}")
         if self.num_prompts_per_step < 1:
             raise ValueError(f"--num_prompts_per_step must be >= 1, got {self.num_prompts_per_step}")
-        if self.eval_steps < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
-            raise ValueError("--eval_steps and --num_generations_eval must be >= 1")
+        self.eval_steps = steps_or_ratio("eval_steps", self.eval_steps, zero=None)
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(f"--num_generations_eval must be >= 1, got {self.num_generations_eval}")
         self.steps_per_round  # noqa: B018 (validates --steps_per_generation / --generation_batch_size)
 
     @property
@@ -233,9 +235,10 @@ class LogConfig:
 
     report_to: tuple[Literal["wandb", "trackio"], ...] = ()
     """Extra metric sinks beyond JSONL and TensorBoard: wandb, trackio."""
-    logging_steps: int = 10
+    logging_steps: float = 10
     """Print a full step line (reward, length, entropy, kl, grad_norm, lr, tokens/s, memory, time split) every
-    this many steps, and on the first and last (0 = only the progress bar or heartbeat)."""
+    this many steps (below 1: TRL's ratio of the run's steps), and on the first and last (0 = only the progress
+    bar or heartbeat)."""
     log_completions_steps: int = 25
     """Print and log a few sample completions every this many steps (0 = never)."""
     run_name: str = ""
@@ -246,6 +249,9 @@ class LogConfig:
     heartbeat_s: float = 30.0
     """Most seconds between two progress lines when stdout is not a terminal; a step running longer gets a
     line saying which phase it is in."""
+
+    def __post_init__(self) -> None:
+        self.logging_steps = steps_or_ratio("logging_steps", self.logging_steps, zero="only the progress bar or heartbeat")
 
 
 SECRETS = ("api_key",)  # flags never written to the run directory, a metrics sink or --print_config

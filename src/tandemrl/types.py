@@ -6,6 +6,7 @@ Legend: L tokens of a whole conversation, T sampled tokens of one completion, G 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -124,6 +125,24 @@ def _describe(bound: dict[str, float]) -> str:
 def route_itemsize(num_experts: int) -> int:
     """Bytes of one expert id in Completion.routes: 1 (uint8) up to 256 experts, else 2 (int16 little-endian)."""
     return 1 if num_experts <= 256 else 2
+
+
+def every_steps(value: float, max_steps: int) -> int:
+    """A --logging_steps/--save_steps/--eval_steps value in steps: below 1 it is TRL's ratio of the run's steps
+    (ceil, at least 1), taken of the steps the run has once --num_train_epochs and the data fixed them.
+
+    Example: every_steps(0.5, 5) -> 3; every_steps(50, 5) -> 50; every_steps(0, 5) -> 0
+    """
+    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else int(value)
+
+
+def steps_or_ratio(flag: str, value: float, *, zero: str | None) -> float:
+    """`value` checked as every_steps takes it: whole steps (0 only where `zero` says what it means), or a
+    ratio below 1; whole values come back as int (so config.yaml says 50, not 50.0)."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and zero is None) or (value >= 1 and not float(value).is_integer()):
+        allowed = f"0 ({zero}), " if zero else ""
+        raise ValueError(f"--{flag} must be {allowed}whole steps or a ratio of the run's steps below 1 (TRL's form), got {value:g}")
+    return int(value) if value >= 1 or value == 0 else value
 
 
 NO_FLOOR = float("-inf")  # a token the sampler chose from the whole (tempered) vocabulary

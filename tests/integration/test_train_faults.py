@@ -221,7 +221,7 @@ def _bad_input(case: str, tmp_path: Path, tiny_model_dir: str) -> list[str]:
         ("reward_raises_on_import", "myrewards.py:3: importing it raised ZeroDivisionError"), ("malformed_yaml", "is not plain YAML"),
         ("unsafe_yaml_tag", "is not plain YAML"), ("yaml_wrong_type", "setting learning_rate: 'fast' is not a number"),
         ("output_dir_is_a_file", "is a file"), ("zero_max_steps", "--max_steps must be >= 1"),
-        ("negative_save_steps", "--save_steps and --save_total_limit must be >= 0"), ("empty_prompt", "prompt of row 1 of dataset"),
+        ("negative_save_steps", "--save_steps must be 0 (only at the end), whole steps or a ratio"), ("empty_prompt", "prompt of row 1 of dataset"),
         ("lone_surrogate", "prompt holds a lone surrogate '\\ud800' at character 3"),
     ],
 )

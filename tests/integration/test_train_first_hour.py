@@ -75,3 +75,24 @@ def test_resume_of_a_directory_without_a_checkpoint_starts_afresh_with_a_notice(
                     "--output_dir", str(run), "--resume", "--max_steps", "1", "--num_prompts_per_step", "2", *TINY)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "--resume: no complete checkpoint, so starting afresh" in result.stderr and steps(run) == [1]
+
+
+def test_trls_step_ratios_are_of_the_steps_the_epochs_decide(tmp_path, tiny_model_dir):
+    """logging_steps/save_steps/eval_steps below 1 are a ratio of the run's steps (TRL's ceil), also when
+    num_train_epochs decides them once the data is loaded: 1 epoch of 8 prompts at 2 a step is 4 steps, 0.5 -> 2
+    (they were taken of --max_steps' default 150: 75, so nothing was logged, saved or evaluated at step 2)."""
+    data, run = data_file(tmp_path), tmp_path / "run"
+    (tmp_path / "grpo.yaml").write_text(
+        f"model_name_or_path: {tiny_model_dir}\ndataset_name: {data}\nreward_funcs: [accuracy_reward]\noutput_dir: {run}\n"
+        "per_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 6\nnum_train_epochs: 1\n"
+        f"logging_steps: 0.5\nsave_steps: 0.5\nsave_total_limit: 0\neval_dataset: {data}\neval_steps: 0.5\n"
+    )
+    result = tandem("train", "--config", str(tmp_path / "grpo.yaml"))
+    assert result.returncode == 0, result.stderr
+    assert steps(run) == [1, 2, 3, 4]
+    step_lines = [line.split(" |")[0] for line in result.stdout.splitlines() if line.startswith("step ") and " | reward " in line]
+    assert step_lines == ["step 1/4", "step 2/4", "step 4/4"]  # every 2, and the first and last
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval_reward" in row] == [2, 4]
+    assert "logging_steps 0.5 (TRL: a ratio of the run's 4 steps) -> 2" in result.stderr

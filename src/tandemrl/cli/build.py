@@ -42,7 +42,7 @@ from tandemrl.train.checkpoint import how_to_continue, latest_checkpoint, resuma
 from tandemrl.train.distributed import SINGLE, DataParallel, close_data_parallel
 from tandemrl.train.forward import compute_dtype
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import Example
+from tandemrl.types import Example, every_steps
 from tandemrl.weights.factory import build_weight_sync
 from tandemrl.weights.sharded import ShardedSync
 
@@ -69,6 +69,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     examples = _data(config, task)
     evals = _eval_set(config)
     plan = plan.with_max_steps(max_steps(config, len(examples)))
+    _say_step_ratios(config, plan.loop.max_steps)
     judge_generator, judge = _judge(config, plan, scores=dp.scores)
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
@@ -140,7 +141,7 @@ def _progress(config: TrainConfig, plan: Plan, start_step: int, device: torch.de
     from tandemrl.logging.progress import Progress
 
     return Progress(
-        plan.loop.max_steps, start_step=start_step, logging_steps=config.log.logging_steps,
+        plan.loop.max_steps, start_step=start_step, logging_steps=every_steps(config.log.logging_steps, plan.loop.max_steps),
         num_rollouts=config.data.num_prompts_per_step * config.data.num_generations, memory_gb=_peak_memory_gb(device),
         heartbeat_s=config.log.heartbeat_s, watch=True,
     )  # fmt: skip
@@ -293,6 +294,15 @@ def max_steps(config: TrainConfig, num_examples: int) -> int:
     if epochs is None:
         return config.run.max_steps
     return max(1, math.ceil(epochs * num_examples / config.data.num_prompts_per_step))
+
+
+def _say_step_ratios(config: TrainConfig, steps: int) -> None:
+    """TRL's ratio forms that waited for the data (--num_train_epochs decides the steps): a line each saying
+    the steps they became (trl.finish says those a --max_steps run fixes when the flags are read)."""
+    ratios = {"logging_steps": config.log.logging_steps, "save_steps": config.checkpoint.save_steps, "eval_steps": config.data.eval_steps}
+    for flag, value in ratios.items():
+        if 0 < value < 1 and (flag != "eval_steps" or config.data.eval_dataset):
+            log.info("%s %s (TRL: a ratio of the run's %d steps) -> %d", flag, value, steps, every_steps(value, steps))
 
 
 def _check_conversation_length(config: TrainConfig, model: Any) -> None:

@@ -10,9 +10,10 @@ TRL 1.16's keys and a test checks each has exactly one place here. TRL's value f
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
+
+from tandemrl.types import every_steps
 
 # TRL key -> what tandem makes of it (the key's value is given to the rule in translate_keys)
 TRANSLATED = {
@@ -240,9 +241,10 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
         if key in out and out[key] is not None:
             out[key] = form(out[key], notes)
     max_steps = int(float(out.get("max_steps", defaults.get("max_steps", 1))))
+    epochs = out.get("num_train_epochs", defaults.get("num_train_epochs"))  # when set, they decide the steps
     for key in ("logging_steps", "save_steps", "eval_steps"):
         if key in out and out[key] is not None:
-            out[key] = _steps_or_ratio(key, out[key], max_steps, notes)
+            out[key] = _steps_or_ratio(key, out[key], None if epochs is not None else max_steps, notes)
     return {k: v for k, v in out.items() if v is not None or defaults.get(k, _UNSET) is None}
 
 
@@ -354,12 +356,17 @@ def _reward_funcs(value: Any, notes: list[str]) -> Any:
     return out
 
 
-def _steps_or_ratio(key: str, value: Any, max_steps: int, notes: list[str]) -> Any:
-    """TRL's form: a float below 1 is a ratio of the run's steps (ceil). Example: 0.1 of 150 steps -> 15"""
+def _steps_or_ratio(key: str, value: Any, max_steps: int | None, notes: list[str]) -> Any:
+    """TRL's form: a float below 1 is a ratio of the run's steps (ceil). Example: 0.1 of 150 steps -> 15.
+    With `max_steps` None (--num_train_epochs decides the steps once the data is loaded) the ratio stays, for
+    types.every_steps to take of those steps (cli/build.py says what it became)."""
     number = _number(key, value)
     if 0 < number < 1:
-        steps = max(1, math.ceil(number * max_steps))
-        notes.append(f"{key} {value} (TRL: a ratio of the {max_steps} steps) -> {steps}")
+        if max_steps is None:
+            notes.append(f"{key} {value} (TRL: a ratio of the run's steps, which --num_train_epochs decides once the data is loaded)")
+            return number
+        steps = every_steps(number, max_steps)
+        notes.append(f"{key} {value} (TRL: a ratio of the run's {max_steps} steps) -> {steps}")
         return steps
     return value
 

@@ -37,7 +37,7 @@ from tandemrl.rewards.base import RewardTimeoutError, TrainerState
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import completion_text
 from tandemrl.train.checkpoint import save_checkpoint
-from tandemrl.types import Batch, Group, RunStopped
+from tandemrl.types import Batch, Group, RunStopped, every_steps
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,8 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
 
 
 def _should_save(settings: LoopSettings, step: int) -> bool:
-    return step == settings.max_steps or (settings.save_steps > 0 and step % settings.save_steps == 0)
+    every = every_steps(settings.save_steps, settings.max_steps)
+    return step == settings.max_steps or (every > 0 and step % every == 0)
 
 
 def _save(parts: LoopParts, settings: LoopSettings, step: int, *, num_taken: int) -> None:

@@ -15,7 +15,7 @@ from tandemrl.rewards.base import RewardFunc
 from tandemrl.rollout.run import MultiTurn
 from tandemrl.train.distributed import SINGLE, DataParallel
 from tandemrl.train.trainer import Trainer
-from tandemrl.types import Example, SamplingParams
+from tandemrl.types import Example, SamplingParams, every_steps
 from tandemrl.weights.base import WeightSync
 
 
@@ -25,12 +25,13 @@ class EvalSet:
 
     examples: list[Example]
     prompt_ids: list[list[int]]  # [num_examples][prompt tokens]
-    eval_steps: int
+    eval_steps: float  # below 1: TRL's ratio of the run's steps
     num_generations: int
 
     def due(self, step: int, max_steps: int) -> bool:
         """Every eval_steps steps, and after the last (TRL evaluates on its eval_steps schedule)."""
-        return bool(self.examples) and self.eval_steps > 0 and (step % self.eval_steps == 0 or step == max_steps)
+        every = every_steps(self.eval_steps, max_steps)
+        return bool(self.examples) and every > 0 and (step % every == 0 or step == max_steps)
 
 
 @dataclass(kw_only=True)

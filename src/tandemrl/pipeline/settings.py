@@ -19,7 +19,7 @@ class LoopSettings:
     seed: int
     sleep_level: int
     log_completions_steps: int
-    save_steps: int
+    save_steps: float  # below 1: TRL's ratio of max_steps (types.every_steps)
     save_total_limit: int
     reward_nonfinite: str = "error"
     reward_timeout_s: float | None = None

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from tandemrl.types import steps_or_ratio
+
 
 @dataclass(kw_only=True)
 class TrainerConfig:
@@ -84,16 +86,17 @@ class CheckpointConfig:
 
     output_dir: str = ""
     """Run directory (default: runs/<date-time>, with runs/latest pointing at it)."""
-    save_steps: int = 50
-    """Save a checkpoint every this many steps (0 = only at the end)."""
+    save_steps: float = 50
+    """Save a checkpoint every this many steps (below 1: TRL's ratio of the run's steps; 0 = only at the end)."""
     save_total_limit: int = 2
     """Keep at most this many checkpoints (oldest deleted first; 0 = keep all)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in --output_dir."""
 
     def __post_init__(self) -> None:
-        if self.save_steps < 0 or self.save_total_limit < 0:
-            raise ValueError(f"--save_steps and --save_total_limit must be >= 0 (0 = only at the end / keep all), got {self.save_steps}, {self.save_total_limit}")
+        self.save_steps = steps_or_ratio("save_steps", self.save_steps, zero="only at the end")
+        if self.save_total_limit < 0:
+            raise ValueError(f"--save_total_limit must be >= 0 (0 = keep all), got {self.save_total_limit}")
 
 
 @dataclass(kw_only=True)

@@ -77,6 +77,8 @@ def test_trl_value_forms_on_the_command_line():
     config, _ = parse(["--bf16", "false", "--scale_rewards", "true", "--top_k", "0", "--logging_steps", "0.1", "--report_to", "tensorboard"])
     assert config.trainer.bf16 is False and config.algo.scale_rewards == "group" and config.generation.top_k == -1
     assert config.log.logging_steps == 15 and config.log.report_to == ()  # 0.1 of the synthetic recipe's 150 steps
+    config, _ = parse(["--num_train_epochs", "1", "--logging_steps", "0.1", "--save_steps", "0.5", "--max_steps", "40"])
+    assert config.log.logging_steps == 0.1 and config.checkpoint.save_steps == 0.5  # the epochs' steps are known once the data is
     config, _ = parse(["--bf16", "true", "--scale_rewards", "false", "--report_to", "none", "--disable_dropout", "False"])
     assert config.trainer.bf16 is True and config.algo.scale_rewards == "none" and config.trainer.disable_dropout is False
     with pytest.raises(ValueError, match="bf16.*expected true or false, got 'maybe'"):

@@ -252,6 +252,7 @@ class Rollout:
     turns: list[Turn] = field(default_factory=list)
     rewards: dict[str, float | None] = field(default_factory=dict)
     reward: float | None = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # columns reward functions logged for it (TRL's log_extra): completions.jsonl's
 
 
 @dataclass(kw_only=True, slots=True)
@@ -263,6 +264,7 @@ class Group:
     rollouts: list[Rollout]
     advantages: list[float] = field(default_factory=list)  # [G]
     error: str = ""
+    logged: dict[str, float] = field(default_factory=dict)  # means of what reward functions logged scoring it (TRL's log_metric)
 
     @property
     def rewards(self) -> list[float | None]:

@@ -111,6 +111,29 @@ def reward_file(tmp_path: Path, body: str) -> str:
     return f"{tmp_path / 'myrewards.py'}:reward"
 
 
+TRL_LOGGING_REWARD = """
+def reward(completions, log_metric, log_extra, **kwargs):  # TRL 1.16's keywords, taken by name
+    lengths = [len(c) for c in completions]
+    log_metric("mean_chars", sum(lengths) / len(lengths))
+    log_extra("chars", lengths)
+    return [n / 10 for n in lengths]
+"""
+
+
+def test_a_trl_reward_logs_its_metric_and_completion_columns(tmp_path):
+    """A reward taking TRL's log_metric and log_extra failed (issue 36): the metric is in metrics.jsonl under
+    its own name (the mean over the step's groups), the column in completions.jsonl beside the completion."""
+    rewards = reward_file(tmp_path, TRL_LOGGING_REWARD)
+    tiny = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4"]
+    result = tandem("train", "--reward_funcs", rewards, "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--log_completions_steps", "1", *tiny)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(row["chars"] == len(row["completion"]) == round(row["reward"] * 10) for row in rows)
+    (step,) = metrics(tmp_path / "run")  # 2 groups of 2: each group's mean, then their mean = the mean of all 4
+    assert step["mean_chars"] == pytest.approx(sum(row["chars"] for row in rows) / 4) == pytest.approx(step["reward"] * 10)
+    assert "chars " in result.stdout  # the console's samples show the column too
+
+
 @pytest.mark.parametrize(
     "case, expected",
     [

@@ -174,7 +174,8 @@ class Progress:
             self.console.print(table)
             return
         for i, row in enumerate(rows):
-            scores = " ".join(f"{c} {_cell(c, row[c], 20)}" for c in columns if c not in ("prompt", "completion") and c in row)
+            # a text column a reward function logged (log_extra) is escaped as the completion is: one line each
+            scores = " ".join(f"{c} {printable(_cell(c, row[c], 20))}" for c in columns if c not in ("prompt", "completion") and c in row)
             texts = " | ".join(f"{c}: '{printable(_cell(c, row[c], MAX_CELL_CHARS))}'" for c in ("prompt", "completion") if c in row)
             line = f"step {step} sample {i + 1}/{len(rows)} {scores} | {texts}"
             self.console.print(line, markup=False, highlight=False)

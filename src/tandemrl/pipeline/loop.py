@@ -368,7 +368,7 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     if not every or (step % every and step != settings.max_steps):
         return
     rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
-    rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards} for r in rollouts]
+    rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards, **r.extra} for r in rollouts]
     parts.logger.log_completions(step, rows)  # a chat prompt stays its messages in completions.jsonl
     sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
     shown = [

@@ -21,7 +21,7 @@ import torch
 
 from tandemrl.algo.advantage import nan_std
 from tandemrl.pipeline.buffer import RolloutBuffer
-from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, TrainerState, score
+from tandemrl.rewards.base import RewardFunc, RewardLogs, RewardTimeoutError, TrainerState, score
 from tandemrl.rollout.group import failed, play_group
 from tandemrl.rollout.run import conversation_of
 from tandemrl.types import Group, RolloutStatus
@@ -175,12 +175,17 @@ async def score_groups(
     prompts = [r.example.prompt for r in rollouts]
     completions = [conversation_of(r) for r in rollouts]
     ids = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
+    logs = RewardLogs()
     totals, values = await score(
-        funcs, weights, prompts, completions, columns, completion_ids=ids, trainer_state=state, nonfinite=nonfinite, timeout_s=timeout_s
-    )
+        funcs, weights, prompts, completions, columns, completion_ids=ids, trainer_state=state, nonfinite=nonfinite, timeout_s=timeout_s,
+        logs=logs,
+    )  # fmt: skip
     for i, rollout in enumerate(rollouts):
         rollout.reward = totals[i]
         rollout.rewards = {name: v[i] for name, v in values.items()}
+        rollout.extra = {column: v[i] for column, v in logs.extra.items()}
+    for group in groups:  # a call scoring several groups (a refill, evaluation) gives each its means
+        group.logged = {name: sum(v) / len(v) for name, v in logs.metrics.items()}
     poisoned = [g for g in groups if any(r.reward is not None and math.isnan(r.reward) for r in g.rollouts)]
     mark_failed(poisoned)
     return len(poisoned)
@@ -212,11 +217,15 @@ def terminated_lengths(rollouts: list) -> dict[str, float]:
 
 
 def reward_metrics(groups: list[Group]) -> dict[str, float]:
-    """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out."""
+    """TRL/ms-swift names: reward, reward_std (std of all rewards), rewards/<fn>/*, completions/*; unscorable left out.
+    What reward functions logged with log_metric: under its own name, the mean over the groups' scoring (TRL: over
+    its generation batches); a name tandem logs itself keeps tandem's value."""
     rewards = reward_matrix(groups)  # [P, G]
     rollouts = [r for g in groups for r in g.rollouts]
     lengths = torch.tensor([r.trace.num_sampled for r in rollouts], dtype=torch.float64)
+    logged = [g.logged for g in groups]
     metrics = {
+        **{name: sum(m[name] for m in logged if name in m) / sum(name in m for m in logged) for name in dict.fromkeys(n for m in logged for n in m)},
         "reward": float(rewards.nanmean()),
         "reward_std": float(nan_std(rewards.flatten(), dim=0)),  # TRL: Bessel-corrected std of all the step's rewards
         "completions/mean_length": float(lengths.mean()),

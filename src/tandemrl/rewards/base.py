@@ -18,7 +18,7 @@ import numbers
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.plugins import load_object
@@ -48,13 +48,27 @@ class TrainerState:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardFunc:
     """A named reward function, called with keywords as TRL calls it, sync or async:
-    `fn(prompts=, completions=, completion_ids=, trainer_state=, **columns) -> list[float | None]`.
+    `fn(prompts=, completions=, completion_ids=, trainer_state=, log_metric=, log_extra=, **columns) -> list[float | None]`.
 
     `name` keys its metrics (`rewards/<name>`) and its entry in `Rollout.rewards`.
     """
 
     name: str
     fn: Callable[..., Any]
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardLogs:
+    """What reward functions logged during one `score` call through the keywords TRL 1.16 passes them:
+    `log_metric(name, value)`, a scalar (the step logs the mean of its values under `name`, as TRL), and
+    `log_extra(column, values)`, one value per completion of the call (a column of completions.jsonl, as
+    TRL's completions table)."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+
+
+COMPLETION_COLUMNS = ("step", "prompt", "completion", "reward", "advantage")  # what log_extra may not name
 
 
 def load_reward_funcs(names: list[str]) -> list[RewardFunc]:
@@ -83,13 +97,14 @@ async def score(
     trainer_state: TrainerState | None = None,
     nonfinite: str = "error",
     timeout_s: float | None = None,
+    logs: RewardLogs | None = None,
 ) -> tuple[list[float | None], dict[str, list[float | None]]]:
     """(weighted total per completion, each function's raw values). Weights default to 1.0 each.
 
     Every function is called with keywords, as TRL calls it: prompts=, completions= (message lists
     `[{"role": "assistant", "content": text}]` where the prompt is a message list, else strings),
-    completion_ids=, trainer_state= and every dataset column by name. Async functions are awaited
-    concurrently; sync ones run in worker threads meanwhile. As in TRL (nansum), a None adds nothing to
+    completion_ids=, trainer_state=, log_metric= and log_extra= (what they log goes to `logs`) and every
+    dataset column by name. Async functions are awaited concurrently; sync ones run in worker threads meanwhile. As in TRL (nansum), a None adds nothing to
     the total and the other weights are not renormalised; a completion every function scored None has
     total None (TRL's unscorable: it gets advantage 0 and stays out of its group's baseline).
     Example: values {"a": [1.0, None, None], "b": [0.5, 0.5, None]}, weights [1.0, 2.0] -> [2.0, 1.0, None]
@@ -106,6 +121,7 @@ async def score(
         "completions": [_as_messages(c) if isinstance(p, list) and isinstance(c, str) else c for p, c in zip(prompts, completions)],
         "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions],
         "trainer_state": trainer_state or TrainerState(),
+        **_loggers(logs if logs is not None else RewardLogs(), len(completions), reserved={*COMPLETION_COLUMNS, *(f.name for f in funcs)}),
     }
     results = await asyncio.gather(*(_call(f, kwargs, len(completions), timeout_s) for f in funcs))
     values = {f.name: result for f, result in zip(funcs, results)}
@@ -113,6 +129,36 @@ async def score(
     if nonfinite == "error":
         _check_finite(values, totals)
     return [t if t is None or math.isfinite(t) else math.nan for t in totals], values
+
+
+def _loggers(logs: RewardLogs, num_completions: int, *, reserved: set[str]) -> dict[str, Callable[..., None]]:
+    """TRL's `log_metric` and `log_extra` keywords, writing into `logs`. A wrong call raises in the reward
+    function, so it is reported as its error, at its line."""
+
+    def log_metric(name: str, value: float) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"log_metric's name must be a non-empty string, got {name!r}")
+        try:
+            number = float(value)  # a Python or numpy number, a one-element tensor
+        except (TypeError, ValueError):
+            number = None
+        if number is None or isinstance(value, str):
+            raise ValueError(f"log_metric({name!r}, ...) takes a number, got {value!r}")
+        logs.metrics.setdefault(name, []).append(number)
+
+    def log_extra(column: str, values: list[Any]) -> None:
+        if not isinstance(column, str) or not column or column in reserved:
+            raise ValueError(f"log_extra's column must be a string naming no other column ({', '.join(sorted(reserved))}), got {column!r}")
+        values = list(values)
+        if len(values) != num_completions:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {num_completions} completions; give one per completion")
+        plain = [v.item() if hasattr(v, "item") else v for v in values]  # numpy and tensor scalars as Python's
+        bad = [v for v in plain if not (v is None or isinstance(v, (str, bool, int, float)))]
+        if bad:
+            raise ValueError(f"log_extra({column!r}, ...) takes strings, numbers, booleans or None (a completions.jsonl cell), got {bad[0]!r}")
+        logs.extra[column] = plain
+
+    return {"log_metric": log_metric, "log_extra": log_extra}
 
 
 def _as_messages(text: str) -> list[dict[str, str]]:

@@ -113,3 +113,11 @@ def test_frac_reward_zero_std_counts_no_group_with_fewer_than_two_scored_rewards
     assert frac_zero_std(rewards, zero_variance_groups(rewards), scale) == pytest.approx(expected)
     lone = torch.tensor([[2.0, nan], [nan, nan]])
     assert frac_zero_std(lone, zero_variance_groups(lone), scale) == 0.0
+
+
+def test_what_rewards_logged_is_the_mean_over_the_groups_and_never_hides_a_metric_of_tandem() -> None:
+    """TRL's log_metric: the step logs the mean under the name as given; `reward` stays tandem's own."""
+    a, b, c = group(1.0, 0.0), group(1.0, 1.0), group(0.0, 0.0)
+    a.logged, b.logged, c.logged = {"acc": 0.5, "reward": 99.0}, {"acc": 1.0}, {}
+    _, metrics = _batch([a, b, c], settings(num_prompts_per_step=3), version=0)
+    assert metrics["acc"] == 0.75 and metrics["reward"] == 0.5

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from tandemrl.rewards.base import RewardFunc, TrainerState, load_reward_funcs, score
+from tandemrl.rewards.base import RewardFunc, RewardLogs, TrainerState, load_reward_funcs, score
 
 
 def _run(funcs, weights, completions, columns=None):
@@ -194,3 +194,45 @@ def test_a_sync_function_raising_systemexit_or_keyboardinterrupt_is_one_line_at_
     with pytest.raises(ValueError, match=rf"^reward function 'leaves' raised {kind.__name__} at \S*test_reward_base.py:\d+: 3$"):
         asyncio.run(score([RewardFunc(name="leaves", fn=leaves)], None, ["p"], ["x"], {}, timeout_s=30))
     assert time.monotonic() - started < 5
+
+
+TRL_LOGGING = """
+def reward(completions, log_metric, log_extra, **kwargs):  # TRL 1.16's signature: both keywords taken by name
+    lengths = [len(c) for c in completions]
+    log_metric("mean_chars", sum(lengths) / len(lengths))
+    log_extra("chars", lengths)
+    log_extra("head", [c[:1] for c in completions])
+    return [float(n) for n in lengths]
+
+def wrong_length(completions, log_extra, **kwargs):
+    log_extra("chars", [1])
+    return [0.0] * len(completions)
+
+def not_a_number(completions, log_metric, **kwargs):
+    log_metric("acc", "high")
+    return [0.0] * len(completions)
+
+def clobbers_a_column(completions, log_extra, **kwargs):
+    log_extra("reward", [0] * len(completions))
+    return [0.0] * len(completions)
+"""
+
+
+def test_trl_log_metric_and_log_extra_are_passed_and_collected(tmp_path) -> None:
+    """TRL 1.16 passes log_metric and log_extra to reward functions; one that took them failed (TypeError:
+    missing arguments, issue 36). What they log lands in `logs`; a wrong call is the function's error, at its line."""
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_LOGGING)
+    logs = RewardLogs()
+    funcs = load_reward_funcs([f"{path}:reward"])
+    totals, _ = asyncio.run(score(funcs, None, ["p", "p"], ["ab", "cde"], {}, logs=logs))
+    assert totals == [2.0, 3.0]
+    assert logs.metrics == {"mean_chars": [2.5]} and logs.extra == {"chars": [2, 3], "head": ["a", "c"]}
+    asyncio.run(score(funcs, None, ["p"], ["x"], {}))  # no logs asked for: still passed, and dropped
+    for name, line, message in [
+        ("wrong_length", 10, "log_extra('chars', ...) got 1 values for 2 completions; give one per completion"),
+        ("not_a_number", 14, "log_metric('acc', ...) takes a number, got 'high'"),
+        ("clobbers_a_column", 18, "log_extra's column must be a string naming no other column (advantage, clobbers_a_column, completion, "),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"reward function '{name}' raised ValueError at {path}:{line}: {message}")):
+            asyncio.run(score(load_reward_funcs([f"{path}:{name}"]), None, ["p", "p"], ["ab", "cde"], {}))

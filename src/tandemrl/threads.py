@@ -20,8 +20,18 @@ class Escaped(Exception):
         self.error = error
 
 
+_ABANDONED: list[threading.Thread] = []  # threads whose waiter gave up; they run on (Python cannot stop a thread)
+
+
+def still_running_abandoned(name: str) -> int:
+    """How many threads named `name` whose waiter gave up (its deadline passed) are still running."""
+    _ABANDONED[:] = [thread for thread in _ABANDONED if thread.is_alive()]
+    return sum(thread.name == name for thread in _ABANDONED)
+
+
 def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
-    """A future of `call()`, run in a daemon thread named `name`; bound the wait with asyncio.timeout."""
+    """A future of `call()`, run in a daemon thread named `name`; bound the wait with asyncio.timeout (a
+    thread whose waiter gave up is counted by `still_running_abandoned` until it ends)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -39,5 +49,7 @@ def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             loop.call_soon_threadsafe(settle, *outcome)
 
-    threading.Thread(target=work, name=name, daemon=True).start()
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    future.add_done_callback(lambda done: _ABANDONED.append(thread) if done.cancelled() else None)
+    thread.start()
     return future

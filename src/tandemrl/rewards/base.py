@@ -23,7 +23,15 @@ from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
-from tandemrl.threads import Escaped, in_daemon_thread
+from tandemrl.threads import Escaped, in_daemon_thread, still_running_abandoned
+
+MAX_HUNG_CALLS = 16
+"""Sync calls of one reward function still running past their deadline at which the run stops: each holds a
+thread (and what it holds) until the process exits; a function that keeps hanging would pile them up."""
+
+class HungRewardError(ValueError):
+    """Too many calls of one reward function still run past their deadline (MAX_HUNG_CALLS): the run stops."""
+
 
 class RewardTimeoutError(TimeoutError):
     """A reward function did not return within its deadline; the groups it was scoring are not trained."""
@@ -190,9 +198,17 @@ async def _call(func: RewardFunc, kwargs: dict[str, Any], expected: int, timeout
             if inspect.iscoroutinefunction(func.fn):
                 result = await func.fn(**kwargs)
             else:
+                hung = still_running_abandoned(f"reward-{func.name}")
+                if hung >= MAX_HUNG_CALLS:
+                    raise HungRewardError(
+                        f"reward function '{func.name}' has {hung} calls still running past --reward_timeout_s "
+                        f"({timeout_s:g} s; each holds a thread Python cannot stop): it hangs; make it return (or raise --reward_timeout_s)"
+                    )
                 result = await in_daemon_thread(functools.partial(func.fn, **kwargs), name=f"reward-{func.name}")
                 if inspect.isawaitable(result):
                     result = await result
+    except HungRewardError:
+        raise
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
         if deadline.expired():
             raise RewardTimeoutError(f"reward function '{func.name}' did not return within {timeout_s:g} s (--reward_timeout_s)") from None

@@ -236,3 +236,29 @@ def test_trl_log_metric_and_log_extra_are_passed_and_collected(tmp_path) -> None
     ]:
         with pytest.raises(ValueError, match=re.escape(f"reward function '{name}' raised ValueError at {path}:{line}: {message}")):
             asyncio.run(score(load_reward_funcs([f"{path}:{name}"]), None, ["p", "p"], ["ab", "cde"], {}))
+
+def test_a_sync_function_that_keeps_hanging_stops_the_run_once_its_abandoned_calls_pile_up() -> None:
+    """Each timed-out sync call leaves a thread Python cannot stop; at MAX_HUNG_CALLS still running, the next call is
+    one line at once instead of another thread (before: threads piled up for as long as the run went on)."""
+    from tandemrl.rewards.base import MAX_HUNG_CALLS, HungRewardError, RewardTimeoutError
+
+    release = threading.Event()
+
+    def hangs(prompts, completions, **kw):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    funcs = [RewardFunc(name="hangs", fn=hangs)]
+    try:
+        for _ in range(MAX_HUNG_CALLS):
+            with pytest.raises(RewardTimeoutError):
+                asyncio.run(score(funcs, None, ["p"], ["x"], {}, timeout_s=0.05))
+        started = time.monotonic()
+        with pytest.raises(HungRewardError, match=rf"^reward function 'hangs' has {MAX_HUNG_CALLS} calls still running past --reward_timeout_s"):
+            asyncio.run(score(funcs, None, ["p"], ["x"], {}, timeout_s=0.05))
+        assert time.monotonic() - started < 0.05
+    finally:
+        release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "reward-hangs"]:
+        thread.join(5)
+    assert asyncio.run(score(funcs, None, ["p"], ["x"], {}, timeout_s=5))[0] == [0.0]  # ended threads count no more

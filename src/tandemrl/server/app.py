@@ -96,6 +96,7 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
     @app.post("/generate", response_model=GenerateResponse, summary="Sample n completions of one prompt")
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse | Response:
         messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
+        prompter.check_request_chars(body.prompt, messages, body.chat_template_kwargs)
         prompt_ids = await prompter.encode_off_loop(
             prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages, chat_template_kwargs=body.chat_template_kwargs
         )

@@ -30,6 +30,7 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
         responses={200: {"content": {NDJSON: {"schema": BatchResult.model_json_schema()}}}},
     )
     async def generate_batch(body: GenerateBatchRequest) -> StreamingResponse:
+        prompter.check_request_chars(*(_texts(item) for item in body.items))  # the whole batch's text, before any is tokenized
         runnable, refused = await asyncio.to_thread(_prepare_all, prompter, body.items)  # tokenizing: off the event loop
         tasks = service.start_batch(runnable) if runnable else {}
         return StreamingResponse(_lines(service, prompter, tasks, refused), media_type=NDJSON)
@@ -44,6 +45,11 @@ def _prepare_all(prompter: Prompter, items: list[BatchItem]) -> tuple[list[tuple
         except ValueError as error:
             refused.append(BatchResult(request_id=item.request_id, finish_reason="error", error=str(error), status=400))
     return runnable, refused
+
+
+def _texts(item: BatchItem) -> tuple:
+    """An item's text, for the request's character cap."""
+    return item.prompt, [m.model_dump() for m in item.messages] if item.messages is not None else None, item.chat_template_kwargs
 
 
 def _prepare(prompter: Prompter, item: BatchItem) -> tuple[list[int], SamplingParams]:

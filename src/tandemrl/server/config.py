@@ -36,7 +36,8 @@ class RolloutServerConfig:
     max_request_bytes: int = 32 * 2**20
     """Largest request body accepted; a larger one is answered 413 before it is read whole."""
     max_prompt_chars: int = 1_000_000
-    """Longest prompt text (or rendered chat) accepted, in characters; a longer one is a 400."""
+    """Most prompt text one request may carry, in characters: all its prompts, chat messages and template
+    variables together (and each rendered chat); more is a 400, before any prompt is tokenized."""
 
     def __post_init__(self) -> None:
         self.api_key = resolve_api_key(self.api_key)

@@ -85,6 +85,7 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
         _check_model(body.model, service.model_name)
         if body.echo:
             raise ValueError("echo is not supported")
+        prompter.check_request_chars(body.prompt)  # every prompt of the list together, before any is tokenized
         prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter)
         params = [_sampling(body, body.max_tokens or 16) for _ in prompts]
         return await _respond(service, prompter, request, body, prompts, params, chat=False)
@@ -93,7 +94,9 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
     async def chat(body: ChatRequest, request: Request) -> Any:
         _check_model(body.model, service.model_name)
         body.check_supported()
-        prompt_ids = await prompter.encode_off_loop(messages=[m.model_dump() for m in body.messages], chat_template_kwargs=body.chat_template_kwargs)
+        messages = [m.model_dump() for m in body.messages]
+        prompter.check_request_chars(messages, body.chat_template_kwargs)
+        prompt_ids = await prompter.encode_off_loop(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, prompter.max_model_len - len(prompt_ids))
         return await _respond(service, prompter, request, body, [prompt_ids], [_sampling(body, max_tokens)], chat=True)
 

@@ -2,9 +2,11 @@
 
 Invariant: what leaves here is a non-empty list of in-vocabulary ids that, with max_tokens, fits in
 max_model_len; anything else is a ValueError naming the problem (answered 400). Text is checked before
-the tokenizer sees it (at most max_prompt_chars characters, valid Unicode: a lone surrogate made the
-tokenizer raise TypeError, a 500), and `encode_off_loop` tokenizes in a worker thread, so a long prompt
-never stalls the event loop (every stream and /health with it).
+the tokenizer sees it (at most max_prompt_chars characters per request, all its prompts together, counted
+before any is rendered or tokenized: 30 prompts just under the cap each cost 123 s of tokenizing before
+their 400; valid Unicode: a lone surrogate made the tokenizer raise TypeError, a 500), and
+`encode_off_loop` tokenizes in a worker thread, so a long prompt never stalls the event loop (every stream
+and /health with it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ class Prompter:
             return self.encode(**prompt)
         return await asyncio.to_thread(self.encode, **prompt)
 
+    def check_request_chars(self, *texts: Any) -> None:
+        """Raises ValueError when one request's text (prompt strings, chat messages, template variables:
+        every string in them) has more than max_prompt_chars characters in all. Cheap: called before any
+        prompt is rendered or tokenized, so a request over the cap costs no tokenizing.
+
+        Example (cap 10): check_request_chars(["abcdef", "ghijkl"]) raises; check_request_chars([1, 2, 3]) passes."""
+        total = sum(map(_num_chars, texts))
+        if total > self.max_prompt_chars:
+            raise ValueError(
+                f"the request's prompt text has {total} characters in all; this server takes at most {self.max_prompt_chars} per request "
+                "(--max_prompt_chars): send fewer or shorter prompts per request, or token ids (prompt_ids)"
+            )
+
     def checked_text(self, text: str) -> str:
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"the prompt has {len(text)} characters; this server takes at most {self.max_prompt_chars} (--max_prompt_chars)")
@@ -80,6 +95,17 @@ class Prompter:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _num_chars(value: Any) -> int:
+    """Characters of every string in `value` (nested lists and dicts: values, not keys; token ids count 0)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(map(_num_chars, value.values()))
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], int):  # token ids: not walked
+        return sum(map(_num_chars, value))
+    return 0
 
 
 def _text_of(content: Any) -> str:

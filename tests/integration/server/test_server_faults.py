@@ -4,6 +4,7 @@ trainer mid-sync. Nothing hangs; errors are clear; a server keeps its version an
 from __future__ import annotations
 
 import datetime
+import re
 import socket
 import threading
 import time
@@ -83,7 +84,7 @@ def test_kill_trainer_mid_sync_server_logs_it_keeps_its_version_and_serves(tiny_
 
 @pytest.fixture(scope="module")
 def small_server(tiny_model_dir):
-    s = start_server(tiny_model_dir, "--max_pending_requests", "4", "--result_ttl_s", "1", backend="engine")
+    s = start_server(tiny_model_dir, "--max_pending_requests", "4", "--result_ttl_s", "1", "--max_prompt_chars", "1000", backend="engine")
     yield s
     s.stop()
 
@@ -113,6 +114,30 @@ def test_a_client_that_hangs_up_on_a_blocking_request_leaves_no_traceback(small_
     time.sleep(2)
     assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
     assert "Traceback" not in small_server.log_text() and "InvalidStateError" not in small_server.log_text()
+
+
+def test_the_prompt_character_cap_holds_per_request_before_any_prompt_is_tokenized(small_server):
+    """30 prompts of ~1M characters each, each under the cap and all under the body limit, cost 123 s of
+    tokenizing before their 400. The cap (here 1,000) counts every prompt of a request together, before
+    any is rendered or tokenized: a 400 at once, naming the flag and the fix, on every text route."""
+    many = ["x" * 900] * 30  # each under the cap; 27,000 characters in all
+    chat = [{"role": "user", "content": [{"type": "text", "text": p}]} for p in many]
+    refused = [
+        ("/v1/completions", {"prompt": many, "max_tokens": 1}),
+        ("/generate_batch", {"items": [{"prompt": p, "request_id": str(i), "max_tokens": 1} for i, p in enumerate(many)]}),
+        ("/generate_batch", {"items": [{"messages": chat[:1], "request_id": str(i), "max_tokens": 1} for i in range(30)]}),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 1}),
+        ("/generate", {"messages": chat, "max_tokens": 1}),
+    ]
+    small_server.get("/ready")  # a fresh server's first answer is slow
+    for path, body in refused:
+        started = time.monotonic()
+        answer = httpx.post(small_server.url + path, json=body, timeout=60)
+        assert answer.status_code == 400, (path, answer.status_code, answer.text[:300])
+        counted = re.search(r"has (\d+) characters in all; this server takes at most 1000 per request \(--max_prompt_chars\)", answer.json()["detail"])
+        assert counted and 27000 <= int(counted.group(1)) < 28000 and time.monotonic() - started < 3, (path, answer.text[:300])  # roles counted too
+    answer = httpx.post(small_server.url + "/v1/completions", json={"prompt": ["hello"] * 2, "max_tokens": 1}, timeout=60)
+    assert answer.status_code == 200, answer.text[:300]  # a list under the cap in all: served
 
 
 def _silent_listener() -> tuple[socket.socket, list[socket.socket]]:

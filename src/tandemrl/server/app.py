@@ -24,7 +24,7 @@ from tandemrl.server import batch, openai
 from tandemrl.server.hangup import disconnected, until_done_or_disconnect
 from tandemrl.server.metrics import CONTENT_TYPE
 from tandemrl.server.prompts import Prompter
-from tandemrl.server.service import Busy, RolloutService
+from tandemrl.server.service import Busy, JoinInProgress, RolloutService
 from tandemrl.server.wire import (
     AbortRequest,
     CollectRequest,
@@ -150,10 +150,12 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
         await service.wake()
         return {"asleep": False}
 
-    @app.post("/weights/init", summary="Join the trainer's weight-sync group (sent by the trainer)")
+    @app.post("/weights/init", summary="Join the trainer's weight-sync group (sent by the trainer); 409 while another init is in flight")
     async def weights_init(body: WeightGroupRequest) -> dict[str, str]:
         try:
             await service.join_weight_group(body.model_dump())
+        except JoinInProgress as error:
+            raise HTTPException(409, str(error)) from None
         except (RuntimeError, OSError) as error:  # torch.distributed raises these for a failed rendezvous
             raise HTTPException(504, f"could not join weight-sync group {body.group_id}: {error}") from None
         return {"weight_group": body.group_id}

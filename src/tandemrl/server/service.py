@@ -4,13 +4,16 @@ updates, sleep/wake, readiness and metrics, over any Generator.
 Invariants: no request reaches the generator while a drain-mode update or sleep holds the gate; a
 weight update is received whole into staging before one `update_weights` call makes it live; a failed
 sync keeps the previous version and the server keeps serving; a receive ends within the group's
-timeout (sooner when the trainer hangs up), even when its thread is stuck in a collective.
+timeout (sooner when the trainer hangs up), even when its thread is stuck in a collective; one
+/weights/init runs at a time (another is a 409 at once), and sleep and wake never wait for its
+rendezvous with the trainer (an NCCL one's excepted: its device set-up).
 """
 
 from __future__ import annotations
 
-import base64
 import asyncio
+import base64
+import contextlib
 import functools
 import logging
 import socket
@@ -30,6 +33,10 @@ from tandemrl.weights.group import NotStaged, WeightReceiver
 
 log = logging.getLogger(__name__)
 
+
+
+class JoinInProgress(Exception):
+    """A /weights/init while another is in flight: answered 409 at once."""
 
 
 @dataclass
@@ -62,6 +69,7 @@ class RolloutService:
         self.asleep = False
         self._entries: dict[str, _Entry] = {}
         self._update_lock = asyncio.Lock()
+        self._joining: str | None = None  # the group id of the /weights/init in flight
         self.metrics = ServerMetrics(self)
         self._num_in_flight = 0  # generations started and not finished, admitted or not (async ones included)
         self._channel_tasks: set[asyncio.Task] = set()  # serve_staged_updates of each group's channel (kept from collection)
@@ -236,12 +244,25 @@ class RolloutService:
     async def join_weight_group(self, spec: dict[str, Any]) -> None:
         if self.receiver is None:
             raise ValueError("this server has no weight receiver")
-        async with self._update_lock:
-            staged_channel = await inbox.join(self.receiver, spec)
-            if staged_channel is not None:  # served until the trainer closes it or this group is dropped
-                task = asyncio.create_task(self.serve_staged_updates(spec["group_id"], staged_channel))
-                self._channel_tasks.add(task)
-                task.add_done_callback(self._channel_tasks.discard)
+        if self._joining is not None:  # they queued on the lock, each its whole deadline: 5 inits of 5 s took 50 s
+            raise JoinInProgress(
+                f"an init is in progress (weight-sync group {self._joining}; answered within its timeout_s + {inbox.JOIN_SLACK_S:g} s); "
+                "retry once it is answered"
+            )
+        self._joining = spec["group_id"]
+        try:
+            async with self._update_lock:  # an update in flight ends first; none starts once the group is left (409)
+                self.receiver.close()
+            # the rendezvous holds no lock (/sleep and /wake waited behind a silent peer), but NCCL's: it sets up its
+            # communicator on the device, which must not overlap a wake's CUDA-graph capture (gloo, ipc: no device work)
+            async with self._update_lock if spec["transport"] == "nccl" else contextlib.nullcontext():
+                staged_channel = await inbox.join(self.receiver, spec)
+        finally:
+            self._joining = None
+        if staged_channel is not None:  # served until the trainer closes it or this group is dropped
+            task = asyncio.create_task(self.serve_staged_updates(spec["group_id"], staged_channel))
+            self._channel_tasks.add(task)
+            task.add_done_callback(self._channel_tasks.discard)
         log.info("joined weight-sync group %s as rank %d of %d (%s)", spec["group_id"], spec["rank"], spec["world_size"], spec["transport"])
 
     async def update_weights(self, *, version: int, mode: str, hangup: Awaitable[Any] | None = None, staged: str = "") -> tuple[int, int, float]:

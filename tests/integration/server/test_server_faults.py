@@ -3,6 +3,7 @@ trainer mid-sync. Nothing hangs; errors are clear; a server keeps its version an
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import re
 import socket
@@ -169,6 +170,39 @@ def test_weights_init_keeps_its_deadline_against_a_silent_peer_and_blocks_nothin
     assert small_server.get("/ready").json()["weight_group"] is None
     assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
     del keep
+
+
+def test_concurrent_weights_inits_are_409_at_once_and_sleep_wake_ready_never_wait_for_a_rendezvous(small_server):
+    """5 concurrent inits of a 5 s timeout took 50 s in all (each waited for the one before) and /wake 12 s
+    behind one: an init in flight now answers the others 409 at once, and /sleep, /wake and /ready answer
+    at once while its rendezvous waits on a silent peer; after its 504 the server serves."""
+    listener, _ = _silent_listener()
+    spec = {"master_addr": "127.0.0.1", "master_port": listener.getsockname()[1], "rank": 1, "world_size": 2, "transport": "gloo", "timeout_s": 1}
+
+    def init(group_id: str) -> tuple[int, float, str]:
+        started = time.monotonic()
+        answer = httpx.post(small_server.url + "/weights/init", json={**spec, "group_id": group_id}, timeout=60)
+        return answer.status_code, time.monotonic() - started, answer.text
+
+    def timed(call) -> float:
+        started = time.monotonic()
+        assert call().status_code == 200
+        return time.monotonic() - started
+
+    small_server.get("/ready")  # a fresh server's first answer is slow
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        first = pool.submit(init, "first")
+        time.sleep(0.5)  # in its rendezvous
+        others = [pool.submit(init, f"other{i}") for i in range(4)]
+        waits = [timed(lambda: small_server.post(path, {})) for path in ("/sleep", "/wake")] + [timed(lambda: small_server.get("/ready"))]
+        assert not first.done()
+        answers = [o.result() for o in others]
+        assert [a[0] for a in answers] == [409] * 4 and all("an init is in progress" in a[2] for a in answers), answers
+        assert max(a[1] for a in answers) < 2 and max(waits) < 2, (answers, waits)  # ~0.1 s; they took 7 s and more
+        status, seconds, text = first.result()
+    assert status == 504 and seconds < 1 + 10, (status, seconds, text)
+    assert small_server.get("/ready").json()["weight_group"] is None
+    assert small_server.post("/generate", {"prompt": "after", "max_tokens": 2}).status_code == 200
 
 
 def test_a_trainer_that_hangs_up_mid_update_while_its_collectives_stay_silent_is_given_up_at_once(small_server, tiny_model_dir):

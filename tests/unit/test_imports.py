@@ -1,6 +1,6 @@
 """Imports flow one way (DESIGN.md): a module may import only its own layer or layers below it, and no
 two packages import each other, even through others. Every import counts: lazy ones inside functions
-and those under TYPE_CHECKING too."""
+and those under TYPE_CHECKING too. And README's layout, the map of these modules, lists every test file."""
 
 from __future__ import annotations
 
@@ -87,3 +87,13 @@ def test_types_imports_no_torch():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     assert not any(name.split(".")[0] == "torch" for name in names)
+
+
+def test_readmes_layout_lists_every_test_file():
+    """README's layout is the map of the repository; it missed tests/unit/pipeline/test_pipeline.py (issue 36)."""
+    tests = ROOT.parents[1] / "tests"
+    readme = (ROOT.parents[1] / "README.md").read_text()
+    layout = readme[readme.index("\ntests/\n", readme.index("## Layout")) :].split("```")[0]
+    listed = {line.split()[0] for line in layout.splitlines()[2:] if line.startswith("  ")}
+    missing = sorted(str(p.relative_to(tests)) for p in tests.rglob("*.py") if str(p.relative_to(tests)) not in listed)
+    assert not missing, f"README's layout (tests/) lacks {missing}"

@@ -83,7 +83,7 @@ def save_checkpoint(
                 tokenizer.save_pretrained(tmp / "merged")
             torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
     except Exception as error:
-        reason = disk_failure(error, run_dir)
+        reason = disk_failure(error, tmp)
         if reason is None:  # not the disk: a bug, raised as is
             raise
         if dp.is_main:
@@ -98,10 +98,11 @@ def save_checkpoint(
     return final
 
 
-def disk_failure(error: BaseException, path: Path) -> str | None:
-    """Why writing under `path` failed when the disk is why (it is full, or a file outgrew the file size
-    limit, `ulimit -f`), else None. safetensors and torch.save's zip writer do not raise OSError: the former
-    names the OS error in its text, the latter only "unexpected pos", so the disk and the limit are looked at.
+def disk_failure(error: BaseException, directory: Path) -> str | None:
+    """Why writing into `directory` failed when the disk is why (it is full, or a file there reached the
+    file size limit, `ulimit -f`), else None. safetensors and torch.save's zip writer do not raise OSError:
+    the former names the OS error in its text, the latter only "unexpected pos", so the disk and the files
+    written are looked at (a limit alone proves nothing: many machines set one).
 
     Example: SafetensorError("... I/O error: No space left on device (os error 28)") -> "No space left on device"
     """
@@ -112,14 +113,17 @@ def disk_failure(error: BaseException, path: Path) -> str | None:
         return os.strerror(code)
     if code == errno.EFBIG:
         return f"{os.strerror(code)} (past the file size limit, ulimit -f)"
-    if shutil.disk_usage(path).free < DISK_FULL_BYTES:
-        return f"{os.strerror(errno.ENOSPC)} ({path})"
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if shutil.disk_usage(existing).free < DISK_FULL_BYTES:
+        return f"{os.strerror(errno.ENOSPC)} ({existing})"
     try:
         import resource
     except ImportError:  # not on POSIX
         return None
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return None if limit == resource.RLIM_INFINITY else f"a file reached the file size limit of {limit} bytes (ulimit -f)"
+    if limit != resource.RLIM_INFINITY and any(p.is_file() and p.stat().st_size >= limit for p in directory.rglob("*")):
+        return f"a file reached the file size limit of {limit} bytes (ulimit -f)"
+    return None
 
 
 def how_to_continue(run_dir: Path) -> str:

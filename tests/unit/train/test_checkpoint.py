@@ -77,3 +77,13 @@ def test_a_write_the_disk_refused_is_told_from_other_failures(tmp_path):
     assert disk_failure(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"), tmp_path) == "No space left on device"
     assert disk_failure(OSError(27, "File too large"), tmp_path) == "File too large (past the file size limit, ulimit -f)"
     assert disk_failure(TypeError("cannot pickle 'generator' object"), tmp_path) is None  # this machine: no limit, disk not full
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # torch.save's writer says only "unexpected pos"
+    try:
+        (tmp_path / "small").write_bytes(b"x" * 100)
+        assert disk_failure(RuntimeError("unexpected pos 704 vs 598"), tmp_path) is None  # a limit alone is no proof
+        (tmp_path / "full").write_bytes(b"x" * 4096)
+        assert disk_failure(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == "a file reached the file size limit of 4096 bytes (ulimit -f)"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tandemrl.logging.console import format_duration, printable, step_line
 from tandemrl.logging.sinks import completion_columns, flat_row
@@ -169,8 +170,8 @@ class Progress:
             table = Table(title=f"step {step}: sample completions", show_lines=True)
             for column in columns:
                 table.add_column(column, overflow="fold", ratio=4 if column in ("prompt", "completion") else 1)
-            for row in rows:
-                table.add_row(*(_cell(column, row.get(column, ""), MAX_CELL_CHARS) for column in columns))
+            for row in rows:  # cells as Text: a completion's "[/INST]" is text, not rich markup (MarkupError ended the run)
+                table.add_row(*(Text(printable(_cell(c, row.get(c, ""), MAX_CELL_CHARS), keep_newlines=c in ("prompt", "completion"))) for c in columns))
             self.console.print(table)
             return
         for i, row in enumerate(rows):

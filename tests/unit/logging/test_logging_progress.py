@@ -106,3 +106,13 @@ def test_the_watch_thread_writes_while_the_step_is_stuck():
     time.sleep(0.5)
     progress.close()
     assert "step 1/10 in train for 0s" in stream.getvalue()
+
+
+def test_a_terminals_table_shows_brackets_as_text_and_escapes_a_logged_column():
+    """A completion holding "[/INST]" (Llama's chat tags; any "[/x]") raised rich's MarkupError in the table, ending the
+    run on a terminal; a log_extra column (issue 36) holding a control character would break its row."""
+    stream = TtyIO()
+    with Progress(20, stream=stream) as progress:
+        progress.print_completions(1, [{"prompt": "[bold]2+2[/bold]?", "completion": "4 [/INST]", "reward": 1.0, "parsed": "a\rb"}])
+    out = stream.getvalue()
+    assert "[bold]2+2[/bold]?" in out and "4 [/INST]" in out and "a\\rb" in out

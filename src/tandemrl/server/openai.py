@@ -46,12 +46,35 @@ class _Common(BaseModel):
     repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's extension: 1 = off.")
     stop_token_ids: list[int] = sampling_field("stop_token_ids", description="tandem extension.")
     ignore_eos: bool = sampling_field("ignore_eos", description="tandem extension.")
+    # OpenAI's fields this server does not apply: accepted at their no-op value (clients send it), else refused
+    frequency_penalty: float | None = Field(None, description="Only 0: no frequency penalty here (repetition_penalty is vLLM's alternative).")
+    presence_penalty: float | None = Field(None, description="Only 0: no presence penalty here (repetition_penalty is vLLM's alternative).")
+    logit_bias: dict[str, float] | None = Field(None, description="Only empty: no logit bias here.")
+
+    def check_supported(self) -> None:
+        """What an OpenAI client may ask that this server would otherwise ignore silently: a clear 400 instead."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not applied by this server (only 0); repetition_penalty (vLLM's) penalises repeats")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not applied by this server (only {}); stop_token_ids or a reward shape the output")
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    suffix: str | None = Field(None, description="Only empty: no insertion (fill-in-the-middle) here.")
+    best_of: int | None = Field(None, description="Only 1 or n: every sampled choice is returned (no server-side pick).")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix: no insertion (fill-in-the-middle) here; only an empty suffix")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ValueError(f"best_of {self.best_of}: this server returns every sampled choice (pick by logprobs yourself); use n")
 
 
 class ChatRequest(_Common):
@@ -61,16 +84,22 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="Refused when given: this server renders no tool schemas and parses no tool calls.")
-    tool_choice: Any = None
+    tool_choice: Any = Field(None, description="Only none or auto: there are no tools to choose.")
+    functions: list[dict[str, Any]] | None = Field(None, description="OpenAI's older tools: refused as tools are.")
+    function_call: Any = Field(None, description="Only none or auto, as tool_choice.")
     response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}: no constrained decoding.")
 
     def check_supported(self) -> None:
-        """What an OpenAI client may ask that this server would otherwise ignore silently: a clear 400 instead."""
-        if self.tools:
+        super().check_supported()
+        if self.tools or self.functions:
             raise ValueError(
-                "tools: this server renders no tool schemas and parses no tool calls; describe the tools in the messages "
+                f"{'tools' if self.tools else 'functions'}: this server renders no tool schemas and parses no tool calls; describe the tools in the messages "
                 "and parse the reply yourself, or train with tandem's tool rollouts (--tools)"
             )
+        for name in ("tool_choice", "function_call"):
+            choice = getattr(self, name)
+            if choice not in (None, "none", "auto"):
+                raise ValueError(f"{name} {choice!r} without tools: this server renders no tool schemas; only none or auto")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r}: no constrained decoding here; only type text")
 
@@ -83,8 +112,7 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
     @app.post("/v1/completions", summary="OpenAI: text completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model, service.model_name)
-        if body.echo:
-            raise ValueError("echo is not supported")
+        body.check_supported()
         prompter.check_request_chars(body.prompt)  # every prompt of the list together, before any is tokenized
         prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter)
         params = [_sampling(body, body.max_tokens or 16) for _ in prompts]

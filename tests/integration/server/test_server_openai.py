@@ -110,6 +110,28 @@ def test_what_a_client_asks_is_never_silently_ignored(oai, server, tiny_model_di
     assert raw.status_code == 400 and raw.json()["error"]["param"] is None and "not valid JSON" in raw.json()["error"]["message"]
 
 
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(oai, tiny_model_dir):
+    """OpenAI's fields this server does not apply, set to anything but their no-op value, are a 400 naming them
+    (functions, a penalty, logit_bias, suffix, best_of were dropped silently: the answer ignored them)."""
+    chat = dict(model=tiny_model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    text = dict(model=tiny_model_dir, prompt="x", max_tokens=2)
+    refused = [
+        (oai.chat.completions.create, chat, {"functions": [{"name": "f", "parameters": {"type": "object", "properties": {}}}]}, "functions"),
+        (oai.chat.completions.create, chat, {"tool_choice": "required"}, "tool_choice 'required' without tools"),
+        (oai.chat.completions.create, chat, {"frequency_penalty": 0.5}, "frequency_penalty"),
+        (oai.chat.completions.create, chat, {"presence_penalty": -1}, "presence_penalty"),
+        (oai.completions.create, text, {"logit_bias": {"5": 10}}, "logit_bias"),
+        (oai.completions.create, text, {"suffix": "end"}, "suffix"),
+        (oai.completions.create, text, {"best_of": 3}, "best_of"),
+    ]
+    for create, base, extra, name in refused:
+        with pytest.raises(openai.BadRequestError, match=name):
+            create(**base, **extra)
+    for create, base, noop in ((oai.chat.completions.create, chat, {"frequency_penalty": 0, "presence_penalty": 0, "tool_choice": "none", "logit_bias": {}}),
+                               (oai.completions.create, text, {"best_of": 1, "suffix": ""})):  # fmt: skip
+        assert create(**base, **noop).choices[0].finish_reason in ("stop", "length")
+
+
 def test_streaming_sends_usage_last_when_asked(oai, tiny_model_dir):
     args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}, stream=True)
     chunks = list(oai.completions.create(**args, stream_options={"include_usage": True}))

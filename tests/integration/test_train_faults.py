@@ -146,6 +146,7 @@ def test_ctrl_c_ends_a_run_stuck_in_a_reward_and_the_heartbeat_names_the_phase(t
     assert proc.returncode == 130 and time.monotonic() - started < 15, stderr[-3000:]
     assert "in reward for" in stdout and "interrupted" in stderr
     assert f"no checkpoint yet in {tmp_path / 'run'}: run the same command with --output_dir" in stderr  # what to do next
+    assert stderr.count("interrupted") == 1, stderr  # one line, the one saying what to do next
     assert "Traceback" not in stderr
     assert not list((tmp_path / "run").glob("checkpoint-*")) and not list((tmp_path / "run").glob(".tmp-*"))
 

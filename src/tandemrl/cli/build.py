@@ -102,9 +102,10 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         with frozen_heap():
             settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step), planned_peaks_gib=planned_peaks_gib(memory))
             asyncio.run(_main(parts, settings, start_step, config, judge_generator))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if dp.is_main:
             print(f"tandem train: interrupted; {how_to_continue(run_dir)}", file=sys.stderr, flush=True)
+            interrupt.said = True  # type: ignore[attr-defined]  (cli/main's own "interrupted" line would repeat it)
         raise
     finally:
         parts.progress.close()

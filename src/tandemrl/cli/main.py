@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        if not getattr(interrupt, "said", False):  # cli/build says it once, with how to continue
+            print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
         return 130
 
 

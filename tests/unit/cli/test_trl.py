@@ -148,3 +148,16 @@ def test_readme_table_of_default_differences_matches_trl_and_tandem_and_misses_n
         if key in FLAGS and key not in SAME_DEFAULT and key not in listed:
             theirs, mine = entry["default"], ours[key]
             assert theirs == (list(mine) if isinstance(mine, tuple) else mine), f"{key}: TRL {theirs!r}, tandem {mine!r}: add it to README's table"
+
+
+def cut_off_rows(text: str) -> list[int]:
+    """Line numbers of table rows a blank line cut off from their table (they render as text, not rows)."""
+    lines = text.splitlines()
+    return [i + 1 for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")
+            and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]  # fmt: skip
+
+
+def test_readme_tables_have_no_row_cut_off_by_a_blank_line():
+    """The "Coming from TRL" table once had rows cut off by blank lines (issue 35); every table is whole."""
+    assert cut_off_rows("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n") == [5]
+    assert cut_off_rows((Path(__file__).parents[3] / "README.md").read_text()) == []

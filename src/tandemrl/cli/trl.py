@@ -236,6 +236,11 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
         del out["max_steps"]  # TRL's -1: the epochs decide
         out.setdefault("num_train_epochs", 3.0)
         notes.append(f"TRL setting max_steps -1 -> --num_train_epochs {out['num_train_epochs']} decides the steps")
+    if out.get("num_train_epochs") is not None and float(out.get("max_steps", -1)) > 0:
+        notes.append(
+            f"max_steps {float(out['max_steps']):g} and num_train_epochs {float(out['num_train_epochs']):g} are both set: the epochs decide the steps here "
+            "(TRL: a positive max_steps overrides the epochs); drop num_train_epochs to run max_steps"
+        )
     forms = {"scale_rewards": _scale_rewards, "top_k": _top_k, "report_to": _report_to, "dtype": _dtype, "reward_funcs": _reward_funcs}
     for key, form in forms.items():
         if key in out and out[key] is not None:

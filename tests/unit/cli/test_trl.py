@@ -87,6 +87,14 @@ def test_trl_value_forms_on_the_command_line():
         parse(["--report_to", "all"])
 
 
+def test_max_steps_beside_num_train_epochs_says_which_decides(caplog):
+    """TRL: a positive max_steps overrides num_train_epochs; here the epochs decide, so a TRL yaml with both is told."""
+    with caplog.at_level(logging.INFO, logger="tandemrl.cli.train"):
+        config, _ = parse(["--max_steps", "40", "--num_train_epochs", "1"])
+    assert config.run.num_train_epochs == 1.0
+    assert any("max_steps 40 and num_train_epochs 1 are both set: the epochs decide the steps here" in r.message for r in caplog.records)
+
+
 def test_trl_names_on_the_command_line():
     config, _ = parse([
         "--model_name_or_path", "m", "--dataset_name", "org/data", "--dataset_config", "main", "--use_vllm",

@@ -153,7 +153,12 @@ class _Group:
         try:
             while pending:
                 if pending[0].is_completed():
-                    pending.popleft().wait(self.timeout)  # raises the collective's error, else returns at once
+                    try:
+                        pending.popleft().wait(self.timeout)  # raises the collective's error, else returns at once
+                    except RuntimeError as error:  # gloo's own deadline (the same timeout_s) may pass before this loop's
+                        if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+                            raise TimeoutError(f"no progress for {self.timeout_s:g} s (a peer died or stalled: {error})") from error
+                        raise
                     self.progress_at = last = time.monotonic()
                     continue
                 if watch is not None and watch.is_completed():

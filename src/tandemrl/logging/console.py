@@ -101,7 +101,7 @@ def banner(*, model: str, num_parameters: int, task: str, device: str, dtype: st
 def summary(rows: list[dict[str, float]], *, wall_s: float, run_dir: str, checkpoint: str | None) -> list[str]:
     """The lines printed after the last step: steps, wall time, best and last reward, where things are."""
     rewards = [(r["step"], r["reward"]) for r in rows if "reward" in r and not math.isnan(r["reward"])]
-    lines = [f"done: {len(rows)} steps in {format_duration(wall_s)}"]
+    lines = [f"done: {len(rows)} step{'' if len(rows) == 1 else 's'} in {format_duration(wall_s)}"]
     if rewards:
         best_step, best = max(rewards, key=lambda sr: sr[1])
         lines[0] += f"; reward last {rewards[-1][1]:.3f}, best {best:.3f} (step {int(best_step)})"

@@ -37,3 +37,8 @@ def test_summary_names_best_and_last_reward_and_the_checkpoint():
     lines = summary(rows, wall_s=75, run_dir="runs/x", checkpoint="runs/x/checkpoint-3")
     assert lines == ["done: 3 steps in 1m15s; reward last 0.700, best 0.900 (step 2)", "  checkpoint runs/x/checkpoint-3",
                      "  run directory runs/x  (plot it: tandem plot runs/x)"]  # fmt: skip
+
+
+def test_the_summary_of_a_one_step_run_says_step():
+    lines = summary([{"step": 1, "reward": 0.5}], wall_s=8, run_dir="runs/x", checkpoint=None)
+    assert lines[0] == "done: 1 step in 8s; reward last 0.500, best 0.500 (step 1)"

@@ -77,7 +77,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     trainer = Trainer(
         config.trainer, config.algo, model, max_steps=plan.loop.max_steps, temperature=plan.sampling.temperature,
         top_k=plan.sampling.top_k_alone,
-        offload=config.offload, dp=dp,
+        offload=config.offload, dp=dp, modules_to_save_lr=config.lora.lora_modules_to_save_learning_rate if config.lora.enabled else None,
     )  # fmt: skip
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     if state is not None:
@@ -172,7 +172,7 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
 
 def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, run_dir: Path, num_ranks: int, generator: Any) -> list[str]:
     from tandemrl.generation.base import describe_generator
-    from tandemrl.logging.console import banner
+    from tandemrl.logging.console import banner, lora_line
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     if num_ranks > 1:
@@ -189,6 +189,7 @@ def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, r
         num_generations=config.data.num_generations, loss_type=config.algo.loss_type,
         learning_rate=config.trainer.learning_rate, max_steps=plan.loop.max_steps, run_dir=str(run_dir),
         generator=describe_generator(generator),
+        lora=lora_line(config.lora, config.trainer.learning_rate, sum(p.numel() for p in model.parameters() if p.requires_grad)),
     )  # fmt: skip
 
 

@@ -106,10 +106,14 @@ def recipe_notes() -> dict[str, str]:
     defaults = TrainConfig().to_dict()
     found: dict[str, list[str]] = {}
     for name in TASKS:
-        for flag, value in get_task(name).recipe.items():
+        task = get_task(name)
+        label = "task synthetic (the default)" if name == "synthetic" else f"task {name}"
+        for flag, value in task.recipe.items():
             if defaults.get(flag) != value:
-                label = "task synthetic (the default)" if name == "synthetic" else f"task {name}"
                 found.setdefault(flag, []).append(f"{label}: {value}")
+        for flag, value in task.lora_recipe.items():
+            shown = " ".join(value) if isinstance(value, tuple) else value
+            found.setdefault(flag, []).append(f"{label} with --lora_r: {shown}")
     return {flag: f"[{'; '.join(parts)}]" for flag, parts in found.items()}
 
 
@@ -126,8 +130,26 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
     if task:
         from tandemrl.tasks import get_task
 
-        recipe = dict(get_task(task).recipe)
+        found = get_task(task)
+        recipe = dict(found.recipe)
+        # the LoRA recipe is measured on the recipe's model (the embedded default's final norm at 1.0 would
+        # wreck a pretrained one), so another --model keeps the plain recipe
+        if _wants_lora(chosen) and chosen.get("model", recipe.get("model")) == recipe.get("model"):
+            recipe.update(found.lora_recipe)
     return {**recipe, **chosen, "task": task}
+
+
+def _wants_lora(values: dict[str, Any]) -> bool:
+    """Whether the flags ask for LoRA: --lora_r > 0, or TRL's --use_peft (r 16 unless given).
+
+    Example: {"lora_r": 16} -> True; {"use_peft": "true"} -> True; {"use_peft": "false", "lora_r": 8} -> False
+    """
+    try:
+        if "use_peft" in values and not trl.parse_bool("use_peft", values["use_peft"]):
+            return False  # TRL reads the lora_* keys only with use_peft
+        return "use_peft" in values and "lora_r" not in values or int(values.get("lora_r") or 0) > 0
+    except (TypeError, ValueError):
+        return False  # a bad value is reported where the flags are read
 
 
 def main(argv: list[str]) -> int:

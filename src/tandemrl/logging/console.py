@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandemrl.train.config import LoraConfig
 
 # (metric, label, format) in the order shown on the step line.
 STEP_LINE = (
@@ -88,14 +91,29 @@ def _si(value: float) -> str:
 
 
 def banner(*, model: str, num_parameters: int, task: str, device: str, dtype: str, num_prompts: int, num_generations: int,
-           loss_type: str, learning_rate: float, max_steps: int, run_dir: str, generator: str = "") -> list[str]:  # fmt: skip
+           loss_type: str, learning_rate: float, max_steps: int, run_dir: str, generator: str = "", lora: str = "") -> list[str]:  # fmt: skip
     """The lines printed before step 1: what trains, on what, how, what generates, and where it is written."""
     return [
         f"tandem train: {model} ({_si(num_parameters)} parameters) on task {task or '(none: --dataset)'}, {device}, {dtype}",
         f"  {num_prompts} prompts x {num_generations} generations per step, loss {loss_type}, learning rate {learning_rate:g}, {max_steps} steps",
+        *([f"  {lora}"] if lora else []),
         *([f"  generator: {generator}"] if generator else []),
         f"  run directory {run_dir}  (TensorBoard now: tensorboard --logdir {run_dir})",
     ]
+
+
+def lora_line(lora: LoraConfig, learning_rate: float, trained: int) -> str:
+    """What LoRA trains, for the banner ("" without LoRA); `trained`: the parameters that train.
+
+    Example: "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
+    """
+    if not lora.enabled:
+        return ""
+    line = f"LoRA r {lora.lora_r}, alpha {lora.lora_alpha:g} on {' '.join(lora.lora_target_modules)} ({_si(trained)} parameters trained)"
+    if lora.lora_modules_to_save:
+        rate = lora.lora_modules_to_save_learning_rate
+        line += f"; trained whole: {' '.join(lora.lora_modules_to_save)}, learning rate {learning_rate if rate is None else rate:g}"
+    return line
 
 
 def summary(rows: list[dict[str, float]], *, wall_s: float, run_dir: str, checkpoint: str | None) -> list[str]:

@@ -7,7 +7,7 @@ resolving tasks is instant and works offline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.types import Example
@@ -27,6 +27,8 @@ class Task:
     """One weight per reward function; None = 1.0 each."""
     recipe: dict[str, Any]
     """Defaults for CLI config fields (e.g. {"model": ..., "learning_rate": ...}); flags override them."""
+    lora_recipe: dict[str, Any] = field(default_factory=dict)
+    """Defaults over `recipe` with LoRA (--lora_r) on the recipe's own model; flags override them too."""
 
     def __post_init__(self) -> None:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

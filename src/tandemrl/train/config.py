@@ -138,6 +138,11 @@ class LoraConfig:
     """Modules trained whole beside the adapters and saved with them (peft's modules_to_save), e.g. norm
     (every module whose name ends so: the RMSNorms; their weights scale the logits). Not the embeddings
     or the head: the fused logprob head reads their weights directly."""
+    lora_modules_to_save_learning_rate: float | None = None
+    """Peak learning rate of the modules trained whole (--lora_modules_to_save); null = --learning_rate.
+    AdamW moves every weight by about the learning rate a step: a norm's weights are ~1, an adapter's ~0.1
+    or less, so a rate that suits the adapters barely moves a norm. The embedded default's LoRA recipe
+    trains its final norm (which sets the logits' scale) at 1.0."""
     lora_save_merged: bool = False
     """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
     is, to checkpoint-N/merged."""
@@ -149,3 +154,6 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.lora_r < 0 or not self.lora_target_modules or not 0 <= self.lora_dropout < 1:
             raise ValueError("--lora_r must be >= 0, --lora_target_modules non-empty and --lora_dropout in [0, 1)")
+        rate = self.lora_modules_to_save_learning_rate
+        if rate is not None and not 0 < rate < math.inf:
+            raise ValueError(f"--lora_modules_to_save_learning_rate must be a finite number > 0 (or null: --learning_rate), got {rate}")

@@ -72,6 +72,14 @@ def is_lora(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+def trained_whole(name: str) -> bool:
+    """Whether a parameter of the peft model belongs to a module trained whole (--lora_modules_to_save).
+
+    Example: "base_model.model.model.norm.modules_to_save.default.weight" -> True; "...q_proj.lora_A.default.weight" -> False
+    """
+    return ".modules_to_save." in name
+
+
 def unwrap(model: Any) -> Any:
     """The transformers model (with its LoRA layers inside, for a peft model)."""
     return model.get_base_model() if is_lora(model) else model

@@ -31,7 +31,7 @@ from tandemrl.train.distributed import (
     SINGLE, DataParallel, full_state_dict, full_tensor, load_full_state_dict, load_optimizer, load_whole_optimizer,
 )  # fmt: skip
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
-from tandemrl.train.lora import is_lora, merged_weights, reference_policy, unwrap
+from tandemrl.train.lora import is_lora, merged_weights, reference_policy, trained_whole, unwrap
 from tandemrl.train.moe import aux_loss, hooks, prepare_forward, route_layout
 from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
@@ -44,7 +44,7 @@ class Trainer:
 
     def __init__(
         self, config: TrainerConfig, algo: AlgoConfig, model: Any, *, max_steps: int, temperature: float = 1.0, top_k: int = 0,
-        offload: OffloadConfig | None = None, dp: DataParallel = SINGLE,
+        offload: OffloadConfig | None = None, dp: DataParallel = SINGLE, modules_to_save_lr: float | None = None,
     ) -> None:
         self.config = config
         self.algo = algo
@@ -66,7 +66,9 @@ class Trainer:
         # with LoRA the reference is the base itself: the adapters disabled (no second copy)
         self.reference = self.plan.frozen_copy(model) if algo.beta > 0 and not is_lora(model) else None
         self.plan.shard_policy(model)
-        self.optimizer = build_optimizer(config, model, self.device, on_cpu=offload is not None and offload.cpu_optimizer, dp=dp)
+        self.optimizer = build_optimizer(
+            config, model, self.device, on_cpu=offload is not None and offload.cpu_optimizer, dp=dp, modules_to_save_lr=modules_to_save_lr,
+        )  # fmt: skip
         total = max(1, max_steps * algo.num_iterations)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
         self.offload = TrainerOffload(offload or OffloadConfig(), self)
@@ -271,14 +273,25 @@ class Trainer:
         self.plan.invalidate()  # the masters changed under the compute weights
 
 
-def build_optimizer(config: TrainerConfig, model: Any, device: torch.device, *, on_cpu: bool, dp: DataParallel = SINGLE) -> torch.optim.Optimizer:
-    """AdamW over the trained parameters (with LoRA, only the adapters); with `on_cpu` its state and step on
-    the CPU (--cpu_optimizer, train/cpu_adam.py)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(
+    config: TrainerConfig, model: Any, device: torch.device, *, on_cpu: bool, dp: DataParallel = SINGLE, modules_to_save_lr: float | None = None,
+) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters (with LoRA, only the adapters and the modules trained whole); with
+    `on_cpu` its state and step on the CPU (--cpu_optimizer, train/cpu_adam.py). `modules_to_save_lr`: the
+    modules trained whole beside LoRA's adapters in a group of their own at that peak rate (the scheduler
+    scales both groups alike)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params: list[Any] = [p for _, p in named]
+    whole = [p for name, p in named if trained_whole(name)] if is_lora(model) else []
+    grouped = modules_to_save_lr is not None and bool(whole)
+    if grouped:
+        params = [{"params": [p for name, p in named if not trained_whole(name)]}, {"params": whole, "lr": modules_to_save_lr}]
     options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
     if on_cpu:
         if dp.enabled:
             raise ValueError("--cpu_optimizer runs in one process; under torchrun FSDP2 already shards the optimizer state (drop the flag)")
+        if grouped:
+            raise ValueError("--cpu_optimizer steps every weight at one learning rate: drop --lora_modules_to_save_learning_rate (or --cpu_optimizer)")
         from tandemrl.train.cpu_adam import CpuAdamW
 
         return CpuAdamW(params, **options)

@@ -213,3 +213,19 @@ def test_rollout_yaml_null_is_the_default(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("model: tandem:tiny\nport: null\nmax_num_seqs: null\n")
     assert parse_rollout(["--config", str(path)]) == parse_rollout(["--model", "tandem:tiny"])
+
+
+def test_lora_on_the_embedded_default_takes_its_lora_recipe():
+    """--lora_r (or TRL's --use_peft) on the synthetic task's own model adds its LoRA recipe (the final norm
+    trained whole at 1.0: README, "LoRA"); flags override it; another --model keeps the plain recipe."""
+    config, _ = parse(["--lora_r", "16"])
+    assert config.lora.lora_modules_to_save == ("model.norm",) and config.lora.lora_modules_to_save_learning_rate == 1.0
+    assert config.trainer.learning_rate == 1e-3  # the adapters train at the full fine-tuning's rate
+    assert parse(["--use_peft"])[0].lora.lora_modules_to_save == ("model.norm",)
+    assert parse(["--lora_r", "16", "--lora_modules_to_save"])[0].lora.lora_modules_to_save == ()  # adapters alone
+    assert parse(["--lora_r", "16", "--lora_modules_to_save_learning_rate", "0.1"])[0].lora.lora_modules_to_save_learning_rate == 0.1
+    for argv in ([], ["--lora_r", "16", "--model", "Qwen/Qwen2.5-0.5B"], ["--use_peft", "false"]):
+        lora = parse(argv)[0].lora
+        assert lora.lora_modules_to_save == () and lora.lora_modules_to_save_learning_rate is None, argv
+    with pytest.raises(ValueError, match="--lora_modules_to_save_learning_rate must be a finite number > 0"):
+        parse(["--lora_r", "16", "--lora_modules_to_save_learning_rate", "inf"])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tandemrl.logging.console import printable, readable_text, step_line, summary
+from tandemrl.logging.console import lora_line, printable, readable_text, step_line, summary
 from tandemrl.tasks.tiny import build_tokenizer
+from tandemrl.train.config import LoraConfig
 
 
 def test_step_line_shows_what_was_logged_and_derives_tokens_per_s():
@@ -42,3 +43,10 @@ def test_summary_names_best_and_last_reward_and_the_checkpoint():
 def test_the_summary_of_a_one_step_run_says_step():
     lines = summary([{"step": 1, "reward": 0.5}], wall_s=8, run_dir="runs/x", checkpoint=None)
     assert lines[0] == "done: 1 step in 8s; reward last 0.500, best 0.500 (step 1)"
+
+
+def test_the_banner_says_what_lora_trains():
+    assert lora_line(LoraConfig(), 1e-3, 100) == ""
+    lora = LoraConfig(lora_r=16, lora_modules_to_save=("model.norm",), lora_modules_to_save_learning_rate=1.0)
+    assert lora_line(lora, 1e-3, 32_832) == "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
+    assert lora_line(LoraConfig(lora_r=8, lora_modules_to_save=("norm",)), 1e-3, 10).endswith("trained whole: norm, learning rate 0.001")

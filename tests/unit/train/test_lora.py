@@ -98,3 +98,23 @@ def test_after_a_step_only_the_changed_weights_move(trained):
     assert "model.embed_tokens.weight" not in changed and not any("norm" in name for name in changed)
     for name, tensor in changed.items():
         assert torch.equal(tensor, full[name])
+
+
+def test_modules_trained_whole_step_at_their_own_learning_rate():
+    """--lora_modules_to_save_learning_rate: the norm trained whole is a group of its own at that rate (the
+    adapters at --learning_rate); AdamW's first step moves each weight by about its rate. --cpu_optimizer
+    (one rate) is refused in one line."""
+    from tandemrl.train.trainer import build_optimizer
+
+    model = apply_lora(build_model(build_tokenizer(), seed=1), LoraConfig(lora_r=4, lora_modules_to_save=("model.norm",)))
+    trainer = Trainer(TrainerConfig(learning_rate=1e-3), AlgoConfig(), model, max_steps=1, modules_to_save_lr=0.5)
+    norm = model.get_base_model().model.norm.modules_to_save["default"].weight
+    adapters = [p for n, p in model.named_parameters() if ".lora_B." in n]  # A has no gradient while B is 0
+    assert [group["lr"] for group in trainer.optimizer.param_groups] == [1e-3, 0.5]
+    assert trainer.optimizer.param_groups[1]["params"] == [norm]
+    before, first = norm.detach().clone(), [p.detach().clone() for p in adapters]
+    trainer.train_step(make_batch(seed=0))
+    assert (norm - before).abs().max().item() == pytest.approx(0.5, rel=0.05)
+    assert max((p - q).abs().max().item() for p, q in zip(adapters, first)) == pytest.approx(1e-3, rel=0.05)
+    with pytest.raises(ValueError, match="--cpu_optimizer steps every weight at one learning rate"):
+        build_optimizer(TrainerConfig(), model, torch.device("cpu"), on_cpu=True, modules_to_save_lr=0.5)

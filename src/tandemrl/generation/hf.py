@@ -138,12 +138,23 @@ class HFGenerator:
         await asyncio.to_thread(self._load_weights, weights, version)
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A tensor of a name this model lacks, or of another shape (copy_ would broadcast it), is a ValueError
+        naming it; a list is checked whole before any copy, so a refused one leaves the weights as they were."""
         params = dict(self.model.named_parameters())
+
+        def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            if name not in params:
+                raise ValueError(f"update_weights: the model has no parameter {name!r}")
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"tensor {name} has shape {list(tensor.shape)}; this model's is {list(params[name].shape)}")
+            return params[name]
+
+        if isinstance(weights, list):
+            for name, tensor in weights:
+                checked(name, tensor)
         with self._lock, torch.no_grad():
             for name, tensor in weights:
-                if name not in params:
-                    raise ValueError(f"update_weights: the model has no parameter {name!r}")
-                target = params[name]
+                target = checked(name, tensor)
                 if target.data_ptr() != tensor.data_ptr():  # colocated and shared: already live
                     target.copy_(tensor)
             self.version = version

@@ -169,6 +169,8 @@ def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
             num_tensors, num_bytes, seconds = await service.update_weights(
                 version=body.version, mode=body.mode, hangup=disconnected(request)
             )
+        except ValueError as error:  # received whole, refused before any of it was copied: inf or NaN, a name or shape not this model's
+            raise HTTPException(422, f"weight update to version {body.version} refused: {error}; kept version {service.generator.version}") from None
         except (RuntimeError, OSError) as error:
             raise HTTPException(504, f"weight sync to version {body.version} failed: {error}; kept version {service.generator.version}") from None
         return WeightUpdateResponse(policy_version=service.generator.version, num_tensors=num_tensors, num_bytes=num_bytes, seconds=seconds)

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tandemrl.generation.base import LocalGenerator
 from tandemrl.server.gate import Busy, Gate
 from tandemrl.server.metrics import ServerMetrics
@@ -33,6 +35,24 @@ from tandemrl.weights.group import NotStaged, WeightReceiver
 
 log = logging.getLogger(__name__)
 
+
+
+def _check_finite(named: list) -> None:
+    """Raises ValueError naming the first tensor holding inf or NaN: a server that went live on one answered
+    every request 200 with null logprobs. One pass over each tensor and one host sync, not one per tensor."""
+    floats = [(name, t) for name, t in named if t.is_floating_point()]
+    if not floats:
+        return
+    tensors = [t for _, t in floats]
+    if tensors[0].is_cuda:
+        totals = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # one fused kernel over all of them
+    else:
+        totals = [t.sum(dtype=torch.float32) for t in tensors]  # on CPU 5-20x faster than torch's foreach norm
+    if bool(torch.stack(totals).isfinite().all()):  # inf or NaN anywhere makes its tensor's total so
+        return
+    bad = next((name for name, t in floats if not bool(t.isfinite().all())), None)  # else a total of finite values overflowed
+    if bad is not None:
+        raise ValueError(f"tensor {bad} holds inf or NaN")
 
 
 class JoinInProgress(Exception):
@@ -287,7 +307,13 @@ class RolloutService:
                     log.error("weight sync to version %d failed (%s); keeping version %d and serving", version, error, self.generator.version)
                     raise
                 received = time.perf_counter()
-                await self._apply(staging, version=version, mode=mode)
+                try:
+                    _check_finite(staging)
+                    await self._apply(staging, version=version, mode=mode)
+                except ValueError as error:  # inf or NaN, or a tensor not of this model's (name, shape): checked before any copy
+                    self.counters.weight_syncs["failed"] += 1
+                    log.error("weight update to version %d refused (%s); keeping version %d and serving", version, error, self.generator.version)
+                    raise
                 self.receiver.settle()  # CUDA IPC: the staging buffer read before the trainer hears "live"
             finally:
                 self.update_in_progress = False

@@ -3,7 +3,9 @@ go up by one, drain keeps in-flight requests on the old version, pause switches 
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +66,46 @@ def test_ipc_updates_laid_out_alike_are_staged_and_bytes_never_announced_change_
     assert client.readiness()[0]["policy_version"] == version + 4
     assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
     assert "live" not in publisher.sender.phases and publisher.sender.staged_layout is not None
+
+
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_a_push_holding_nan_is_refused_naming_the_tensor_and_the_server_keeps_its_weights(server, client, tiny_model_dir, tiny_tokenizer, transport):
+    """It went live and every request was a 200 with null logprobs. Now a 422 naming the tensor, the version
+    and weights before it kept, and the next good push goes live; over ipc both the staged update and the
+    full one it falls back to are refused."""
+    prompt_ids = tiny_tokenizer.encode("the answer is")
+    config = sync(backend=transport)
+    version = client.readiness()[0]["policy_version"] + 1
+    model = trainer_model(tiny_model_dir, 21)
+    push(client, model.named_parameters(), version=version, config=config)  # over ipc: the next one laid out alike is staged
+    bad = [(name, p.detach().clone()) for name, p in trainer_model(tiny_model_dir, 22).named_parameters()]
+    name = bad[5][0]
+    bad[5][1].view(-1)[7] = float("nan")
+    with pytest.raises(RuntimeError, match=rf"answered 422: weight update to version {version + 1} refused: tensor {name} holds inf or NaN; kept version {version}"):
+        push(client, bad, version=version + 1, config=config)
+    assert client.readiness()[0]["policy_version"] == version
+    completion = client.generate(prompt_ids, GREEDY)
+    assert completion.token_ids == local_greedy(model, tiny_tokenizer, prompt_ids) and all(math.isfinite(lp) for lp in completion.logprobs)
+    assert server.log_text().count(f"weight update to version {version + 1} refused (tensor {name} holds inf or NaN)") == (2 if transport == "ipc" else 1)
+    model = trainer_model(tiny_model_dir, 23)
+    push(client, model.named_parameters(), version=version + 1, config=config)
+    assert client.generate(prompt_ids, GREEDY).token_ids == local_greedy(model, tiny_tokenizer, prompt_ids)
+
+
+def test_a_push_of_a_wrong_shape_is_a_422_naming_both_shapes_before_any_tensor_is_copied(server, client, tiny_model_dir, tiny_tokenizer):
+    """It was a 504 (copy_'s error), and the tensors before it in the update were already copied. The bad
+    tensor comes last here: the server keeps every weight and its version, and serves."""
+    prompt_ids = tiny_tokenizer.encode("the answer is")
+    version = client.readiness()[0]["policy_version"]
+    before = client.generate(prompt_ids, GREEDY).token_ids
+    bad = [(name, p.detach()) for name, p in trainer_model(tiny_model_dir, 24).named_parameters()]
+    name, last = bad[-1]
+    bad[-1] = (name, last[..., :-1])
+    shapes = f"tensor {name} has shape {list(bad[-1][1].shape)}; this model's is {list(last.shape)}"
+    with pytest.raises(RuntimeError, match=re.escape(f"answered 422: weight update to version {version + 1} refused: {shapes}; kept version {version}")):
+        push(client, bad, version=version + 1, config=sync())
+    assert client.readiness()[0]["policy_version"] == version
+    assert client.generate(prompt_ids, GREEDY).token_ids == before
 
 
 STAGED_THEN_DIE = """

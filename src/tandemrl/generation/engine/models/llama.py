@@ -242,7 +242,11 @@ class LlamaForCausalLM(nn.Module):
         A list laid out as the last one (names, storage, shapes, strides, dtypes; one rank) is copied by that
         load's plan, with no per-tensor routing: a server's staged update is the same list of views into the
         same buffer every time. The very list object of the last load, when it can be weakly referenced (a
-        server's StagedTensors, handed over unchanged every update), skips even building the key."""
+        server's StagedTensors, handed over unchanged every update), skips even building the key.
+
+        A tensor of another shape than its parameter's (or of a name this model lacks) is a ValueError naming
+        it; a list is checked whole before any copy, so a refused one leaves the weights as they were (a
+        stream, e.g. colocated LoRA merges made one at a time, is copied as it comes, in batches)."""
         plan = self._load_plan
         if plan is not None and plan.source is not None and plan.source() is weights:
             plan.replay(weights)
@@ -255,9 +259,9 @@ class LlamaForCausalLM(nn.Module):
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         plan = LoadPlan(key=key or [], batches=[], written=written)
-        for index, (name, tensor) in enumerate(weights):
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                name = "model.embed_tokens.weight"
+        whole = isinstance(weights, list)
+        for index, (given, tensor) in enumerate(weights):
+            name = "model.embed_tokens.weight" if given == "lm_head.weight" and self.tie_word_embeddings else given
             tensor = self._split(name, tensor)
             param_name, start, size = self._route(name, params)
             if param_name is None:
@@ -265,14 +269,18 @@ class LlamaForCausalLM(nn.Module):
             target = params[param_name]
             if start is not None:
                 target = target[start : start + size]
+            if tensor.shape != target.shape:  # copy_ broadcasts: a [1, H] tensor would fill every row of a [V, H] one
+                part = " (this rank's part)" if self.shard.size > 1 else ""
+                raise ValueError(f"tensor {given} has shape {list(tensor.shape)}{part}; this model's is {list(target.shape)}")
             if target.data_ptr() != tensor.data_ptr():
                 plan.add(target, index)
                 targets.append(target)
                 sources.append(tensor)
-            if len(targets) == LOAD_BATCH:
+            if len(targets) == LOAD_BATCH and not whole:
                 _copy_all(targets, sources)
             written.add(name)
-        _copy_all(targets, sources)
+        for first in range(0, len(targets), LOAD_BATCH):
+            _copy_all(targets[first : first + LOAD_BATCH], sources[first : first + LOAD_BATCH])
         self._load_plan = plan.grouped([t for _, t in weights]) if key is not None else None
         if self._load_plan is not None:
             with contextlib.suppress(TypeError):  # a plain list cannot be weakly referenced: keyed every time

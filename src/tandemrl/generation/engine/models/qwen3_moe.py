@@ -81,29 +81,46 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if isinstance(weights, list) and not any(_PER_EXPERT.match(name) or ".block_sparse_moe." in name for name, _ in weights):
             return super().load_weights(weights)  # a live model's update: keeps the parent's cached load plan
         counts: dict[str, int] = {}
-        written = super().load_weights(self._stacked_only(weights, counts))
+        if isinstance(weights, list):  # checked whole before any copy (the parent checks its list so): a refused one changes nothing
+            parts = [(name, tensor, self._expert_part(name, tensor)) for name, tensor in weights]
+            written = super().load_weights([(hf_name(name), tensor) for name, tensor, expert in parts if expert is None])
+            for stacked, target, source in (expert for _, _, expert in parts if expert is not None):
+                target.copy_(source)
+                counts[stacked] = counts.get(stacked, 0) + 1
+        else:
+            written = super().load_weights(self._stacked_only(weights, counts))
         experts = num_experts(self.config)
         return written | {name for name, count in counts.items() if count == experts * (2 if name.endswith("gate_up_proj") else 1)}
 
     def _stacked_only(self, weights: Iterable[tuple[str, Tensor]], counts: dict[str, int]) -> Iterator[tuple[str, Tensor]]:
         """`weights` less the per-expert tensors, which are copied on the way (counted per stacked parameter)."""
         for name, tensor in weights:
-            name = hf_name(name)
-            match = _PER_EXPERT.match(name)
-            if match is None:
-                yield name, tensor
+            expert = self._expert_part(name, tensor)
+            if expert is None:
+                yield hf_name(name), tensor
                 continue
-            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-            stacked = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-            target = self.get_parameter(stacked)[expert]  # [2I, E] or [E, I]
-            full = expert_width(self.config)
-            width = full // self.shard.size
-            if part == "down_proj":
-                target.copy_(tensor.narrow(-1, *self.shard.span(full)))
-            else:
-                rows = tensor.narrow(0, *self.shard.span(full))
-                target[(part == "up_proj") * width :][:width].copy_(rows)
+            stacked, target, source = expert
+            target.copy_(source)
             counts[stacked] = counts.get(stacked, 0) + 1
+
+    def _expert_part(self, name: str, tensor: Tensor) -> tuple[str, Tensor, Tensor] | None:
+        """(the stacked parameter, the rows of it a per-expert tensor goes to, this rank's part of the tensor),
+        or None for a tensor that is not per-expert; ValueError when its shape is not the expert's."""
+        name = hf_name(name)
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            return None
+        prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+        stacked = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        rows = self.get_parameter(stacked)[expert]  # [2I, E] or [E, I], I this rank's share of the width
+        full = expert_width(self.config)
+        expected = [rows.shape[0], full] if part == "down_proj" else [full, rows.shape[1]]
+        if list(tensor.shape) != expected:  # copy_ broadcasts: checked before, not left to it
+            raise ValueError(f"tensor {name} has shape {list(tensor.shape)}; this model's is {expected}")
+        if part == "down_proj":
+            return stacked, rows, tensor.narrow(-1, *self.shard.span(full))
+        width = full // self.shard.size
+        return stacked, rows[(part == "up_proj") * width :][:width], tensor.narrow(0, *self.shard.span(full))
 
     def _split(self, name: str, tensor: Tensor) -> Tensor:
         if self.shard.size == 1 or not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):

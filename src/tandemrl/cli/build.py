@@ -172,7 +172,7 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
 
 def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, run_dir: Path, num_ranks: int, generator: Any) -> list[str]:
     from tandemrl.generation.base import describe_generator
-    from tandemrl.logging.console import banner, lora_line
+    from tandemrl.logging.console import banner
 
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     if num_ranks > 1:
@@ -189,7 +189,21 @@ def _banner(config: TrainConfig, plan: Plan, model: Any, device: torch.device, r
         num_generations=config.data.num_generations, loss_type=config.algo.loss_type,
         learning_rate=config.trainer.learning_rate, max_steps=plan.loop.max_steps, run_dir=str(run_dir),
         generator=describe_generator(generator),
-        lora=lora_line(config.lora, config.trainer.learning_rate, sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        lora=_lora_line(config, model),
+    )  # fmt: skip
+
+
+def _lora_line(config: TrainConfig, model: Any) -> str:
+    """The banner's LoRA line ("" without LoRA)."""
+    from tandemrl.logging.console import lora_line
+
+    lora = config.lora
+    if not lora.enabled:
+        return ""
+    rate = lora.lora_modules_to_save_learning_rate
+    return lora_line(
+        r=lora.lora_r, alpha=lora.lora_alpha, targets=lora.lora_target_modules, trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        whole=lora.lora_modules_to_save, whole_lr=config.trainer.learning_rate if rate is None else rate,
     )  # fmt: skip
 
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tandemrl.train.config import LoraConfig
+from typing import Any
 
 # (metric, label, format) in the order shown on the step line.
 STEP_LINE = (
@@ -102,18 +99,15 @@ def banner(*, model: str, num_parameters: int, task: str, device: str, dtype: st
     ]
 
 
-def lora_line(lora: LoraConfig, learning_rate: float, trained: int) -> str:
-    """What LoRA trains, for the banner ("" without LoRA); `trained`: the parameters that train.
+def lora_line(*, r: int, alpha: float, targets: tuple[str, ...], trained: int, whole: tuple[str, ...] = (), whole_lr: float = 0.0) -> str:
+    """What LoRA trains, for the banner: rank, alpha, target modules, the parameters that train (`trained`),
+    and the modules trained whole (`whole`) with their learning rate.
 
-    Example: "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
+    Example: r 16, alpha 32, ("all-linear",), 32_832, ("model.norm",), 1.0
+      -> "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
     """
-    if not lora.enabled:
-        return ""
-    line = f"LoRA r {lora.lora_r}, alpha {lora.lora_alpha:g} on {' '.join(lora.lora_target_modules)} ({_si(trained)} parameters trained)"
-    if lora.lora_modules_to_save:
-        rate = lora.lora_modules_to_save_learning_rate
-        line += f"; trained whole: {' '.join(lora.lora_modules_to_save)}, learning rate {learning_rate if rate is None else rate:g}"
-    return line
+    line = f"LoRA r {r}, alpha {alpha:g} on {' '.join(targets)} ({_si(trained)} parameters trained)"
+    return line + (f"; trained whole: {' '.join(whole)}, learning rate {whole_lr:g}" if whole else "")
 
 
 def summary(rows: list[dict[str, float]], *, wall_s: float, run_dir: str, checkpoint: str | None) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tandemrl.logging.console import lora_line, printable, readable_text, step_line, summary
 from tandemrl.tasks.tiny import build_tokenizer
-from tandemrl.train.config import LoraConfig
 
 
 def test_step_line_shows_what_was_logged_and_derives_tokens_per_s():
@@ -46,7 +45,6 @@ def test_the_summary_of_a_one_step_run_says_step():
 
 
 def test_the_banner_says_what_lora_trains():
-    assert lora_line(LoraConfig(), 1e-3, 100) == ""
-    lora = LoraConfig(lora_r=16, lora_modules_to_save=("model.norm",), lora_modules_to_save_learning_rate=1.0)
-    assert lora_line(lora, 1e-3, 32_832) == "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
-    assert lora_line(LoraConfig(lora_r=8, lora_modules_to_save=("norm",)), 1e-3, 10).endswith("trained whole: norm, learning rate 0.001")
+    line = lora_line(r=16, alpha=32.0, targets=("all-linear",), trained=32_832, whole=("model.norm",), whole_lr=1.0)
+    assert line == "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
+    assert lora_line(r=8, alpha=16.0, targets=("q_proj", "v_proj"), trained=10) == "LoRA r 8, alpha 16 on q_proj v_proj (10 parameters trained)"

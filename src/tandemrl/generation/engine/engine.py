@@ -199,6 +199,8 @@ class Engine:
     def _update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         with self._between_steps():
             if self.tp is not None:
+                if isinstance(weights, list):  # a server's staging: refused before any rank writes a tensor of it
+                    self.model.check_shapes(weights)
                 self.tp.send(("update", version))
                 if self.tp.broadcast_weights:
                     weights = self.tp.shared_weights(weights, self.device)

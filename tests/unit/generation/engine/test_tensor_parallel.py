@@ -61,6 +61,13 @@ async def _lead(engine: Engine, model_dir: str, colocate: bool = False) -> dict[
         with pytest.raises(ValueError, match="no parameter 'model.nope.weight'"):
             await engine.update_weights([("model.norm.weight", torch.ones(64)), ("model.nope.weight", torch.zeros(1))], version=9)
         before["after_failed_update"] = (await _outputs(engine))["token_ids"]
+        # a wrong shape after a good tensor: refused before any rank writes either (the norm was written, then a 504)
+        norm = torch.rand(engine.model.get_parameter("model.norm.weight").shape, generator=torch.Generator().manual_seed(0)) + 0.5
+        with pytest.raises(ValueError, match=r"tensor model.layers.0.self_attn.o_proj.weight has shape \[3, 3\]; this model's is \["):
+            await engine.update_weights([("model.norm.weight", norm), ("model.layers.0.self_attn.o_proj.weight", torch.zeros(3, 3))], version=9)
+        refused = await _outputs(engine)
+        assert refused["token_ids"] == before["token_ids"] and refused["versions"] == before["versions"]
+        assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4) for a, b in zip(refused["logprobs"], before["logprobs"]))
     await _publish(engine, model_dir, colocate)
     after = await _outputs(engine)
     await engine.sleep(1)  # every rank frees its KV cache and re-creates it

@@ -209,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos_sin = torch.empty(0)  # [T, P, 2, R] float32, set by rope_table(); kept out of .to(dtype)
         self._routes: dict[str, tuple[str | None, int | None, int]] = {}  # written by _route alone
         self._load_plan: LoadPlan | None = None  # the last list load_weights copied (written by load_weights alone)
+        self._full_shapes: dict[str, torch.Size] = {}  # each Hugging Face name's whole shape, as loaded (written by load_weights alone)
 
     def rope_table(self) -> Tensor:
         """[T, P, 2, R]: a cos/sin table per RoPE the layers use (Gemma 3: its windowed layers' and the others')."""
@@ -262,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         whole = isinstance(weights, list)
         for index, (given, tensor) in enumerate(weights):
             name = "model.embed_tokens.weight" if given == "lm_head.weight" and self.tie_word_embeddings else given
-            tensor = self._split(name, tensor)
+            full, tensor = tensor, self._split(name, tensor)
             param_name, start, size = self._route(name, params)
             if param_name is None:
                 continue
@@ -272,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
             if tensor.shape != target.shape:  # copy_ broadcasts: a [1, H] tensor would fill every row of a [V, H] one
                 part = " (this rank's part)" if self.shard.size > 1 else ""
                 raise ValueError(f"tensor {given} has shape {list(tensor.shape)}{part}; this model's is {list(target.shape)}")
+            self._full_shapes[given] = full.shape
             if target.data_ptr() != tensor.data_ptr():
                 plan.add(target, index)
                 targets.append(target)
@@ -286,6 +288,15 @@ class LlamaForCausalLM(nn.Module):
             with contextlib.suppress(TypeError):  # a plain list cannot be weakly referenced: keyed every time
                 self._load_plan.source = weakref.ref(weights)
         return written
+
+    def check_shapes(self, weights: list[tuple[str, Tensor]]) -> None:
+        """ValueError naming the first tensor whose whole shape is not the one this name loaded with: what a
+        tensor-parallel leader checks before any rank hears of an update (each rank checks its part only as
+        it copies, after the tensors before it)."""
+        for name, tensor in weights:
+            expected = self._full_shapes.get(name)
+            if expected is not None and tensor.shape != expected:
+                raise ValueError(f"tensor {name} has shape {list(tensor.shape)}; this model's is {list(expected)}")
 
     def _route(self, name: str, params: dict[str, Tensor]) -> tuple[str | None, int | None, int]:
         """(the parameter that Hugging Face's `name` goes to, its first row there or None for all, rows),

@@ -3,8 +3,9 @@ and `tandem train` GRPO steps on a small MoE with and without --routing_replay.
 
 generate: 48 layers, 128 experts, top-8, hidden 2048, expert width 768 (random bf16, ~61 GB, built on the
 GPU). transformers `generate` (its default experts implementation, grouped_mm; sdpa; dynamic cache; timed
-warm) decodes --hf_sequences of the prompts for --hf_new_tokens (its step time is launch-bound, so fewer
-steps bound its share of the run; shorter contexts only flatter it), then hands its weights to the engine
+warm) decodes --hf_sequences of the prompts (all 512 by default: the same batch as ours, since a launch-bound
+step costs about the same for 64 rows or 512, so fewer rows would understate its tokens/s up to 8x) for
+--hf_new_tokens (fewer steps bound its share of the run; shorter contexts only flatter it), then hands its weights to the engine
 tensor by tensor (each freed once copied: two copies would not leave room for a KV cache), which runs the
 whole workload: 64 prompts x 8 samples, 128 prompt tokens, 512 new tokens (ignore EOS, temperature 1).
 Figures are output tokens/s; one ratio line.
@@ -192,8 +193,8 @@ def bench_train(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="generate,train")
-    parser.add_argument("--hf_sequences", type=int, default=64, help="sequences transformers generate decodes, in one batch")
-    parser.add_argument("--hf_new_tokens", type=int, default=256, help="tokens transformers generate decodes (its share of the time)")
+    parser.add_argument("--hf_sequences", type=int, default=512, help="sequences transformers generate decodes, in one batch (ours: 512)")
+    parser.add_argument("--hf_new_tokens", type=int, default=64, help="tokens transformers generate decodes (its share of the time)")
     parser.add_argument("--new_tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--completion_tokens", type=int, default=256)

@@ -74,16 +74,10 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     reward_funcs = _rewards(config, task) + ([judge] if judge is not None else [])
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
     early = _rollout_side(config, plan, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
-    trainer = Trainer(
-        config.trainer, config.algo, model, max_steps=plan.loop.max_steps, temperature=plan.sampling.temperature,
-        top_k=plan.sampling.top_k_alone,
-        offload=config.offload, dp=dp, modules_to_save_lr=config.lora.lora_modules_to_save_learning_rate if config.lora.enabled else None,
-    )  # fmt: skip
+    trainer = _trainer(config, plan, model, dp)
     cursor = PromptCursor(len(examples), seed=config.run.seed)
     if state is not None:
-        trainer.load_state_dict(state["trainer"], optimizer_shards=sharded_optimizer(checkpoint))
-        cursor.load_state_dict(state["cursor"])
-        log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
+        _resume(trainer, cursor, state, checkpoint)
     start_step = state["step"] if state is not None else 0
     generator, sync = early or _rollout_side(config, plan, model, tokenizer, dp=dp)
     device = next(model.parameters()).device
@@ -114,6 +108,22 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
             _point_latest(run_dir)
         close_data_parallel(dp)
     return run_dir
+
+
+def _trainer(config: TrainConfig, plan: Plan, model: Any, dp: DataParallel) -> Trainer:
+    """The trainer, scoring under the plan's sampling (its temperature; its top-k where that is the only filter)."""
+    return Trainer(
+        config.trainer, config.algo, model, max_steps=plan.loop.max_steps, temperature=plan.sampling.temperature,
+        top_k=plan.sampling.top_k_alone, offload=config.offload, dp=dp,
+        modules_to_save_lr=config.lora.lora_modules_to_save_learning_rate if config.lora.enabled else None,
+    )  # fmt: skip
+
+
+def _resume(trainer: Trainer, cursor: PromptCursor, state: dict[str, Any], checkpoint: Path) -> None:
+    """The checkpoint's trainer (optimizer included) and prompt cursor restored."""
+    trainer.load_state_dict(state["trainer"], optimizer_shards=sharded_optimizer(checkpoint))
+    cursor.load_state_dict(state["cursor"])
+    log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
 
 
 def _memory_plan(config: TrainConfig, device: torch.device, num_ranks: int) -> Any:

@@ -49,9 +49,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     buffer = RolloutBuffer(lead=settings.max_staleness * p, first_index=start_step * p)
     first_taken = parts.cursor.num_taken  # the cursor of the groups trained so far (the checkpoint's)
     producer = Producer(parts, settings, buffer, rounds=rounds)
-    await asyncio.to_thread(parts.trainer.offload.optimizer_to_cpu)  # the weights were published: generation comes first
-    await asyncio.to_thread(parts.trainer.offload.model_to_cpu)
-    phase_peak_gib(getattr(parts.trainer, "device", None))  # the first generation's peak starts here, not at the load
+    await _before_first_generation(parts)
     producer.start()
     metrics: dict[str, float] = {}
     refill = settings.refills
@@ -96,9 +94,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             parts.logger.log(step + 1, metrics)
             parts.progress.update(step + 1, metrics)
             if settings.planned_peaks_gib and step + 1 in (min(start_step + 2, settings.max_steps), settings.max_steps):
-                line = memory_line(metrics, settings.planned_peaks_gib)  # the second step: the optimizer state exists
-                if line is not None:
-                    log.info("%s", line)
+                _say_memory(metrics, settings)  # the second step: the optimizer state exists
             _maybe_log_completions(parts, settings, step + 1, groups)
             if _should_save(settings, step + 1):
                 parts.progress.phase("save")
@@ -106,6 +102,21 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     finally:
         await producer.cancel()
     return metrics
+
+
+async def _before_first_generation(parts: LoopParts) -> None:
+    """The weights were published: generation comes first, so the optimizer state and the model leave the GPU
+    (where their levers say so), and the first generation's memory peak starts here, not at the load."""
+    await asyncio.to_thread(parts.trainer.offload.optimizer_to_cpu)
+    await asyncio.to_thread(parts.trainer.offload.model_to_cpu)
+    phase_peak_gib(getattr(parts.trainer, "device", None))
+
+
+def _say_memory(metrics: dict[str, float], settings: LoopSettings) -> None:
+    """The measured peak of each phase beside the memory plan's, in one log line."""
+    line = memory_line(metrics, settings.planned_peaks_gib)
+    if line is not None:
+        log.info("%s", line)
 
 
 def _dropped_why(times: dict[str, float]) -> str:

@@ -223,9 +223,12 @@ def reward_metrics(groups: list[Group]) -> dict[str, float]:
     rewards = reward_matrix(groups)  # [P, G]
     rollouts = [r for g in groups for r in g.rollouts]
     lengths = torch.tensor([r.trace.num_sampled for r in rollouts], dtype=torch.float64)
-    logged = [g.logged for g in groups]
+    logged: dict[str, list[float]] = {}  # log_metric's name -> each group's mean
+    for group in groups:
+        for name, value in group.logged.items():
+            logged.setdefault(name, []).append(value)
     metrics = {
-        **{name: sum(m[name] for m in logged if name in m) / sum(name in m for m in logged) for name in dict.fromkeys(n for m in logged for n in m)},
+        **{name: sum(values) / len(values) for name, values in logged.items()},
         "reward": float(rewards.nanmean()),
         "reward_std": float(nan_std(rewards.flatten(), dim=0)),  # TRL: Bessel-corrected std of all the step's rewards
         "completions/mean_length": float(lengths.mean()),

@@ -29,6 +29,7 @@ MAX_HUNG_CALLS = 16
 """Sync calls of one reward function still running past their deadline at which the run stops: each holds a
 thread (and what it holds) until the process exits; a function that keeps hanging would pile them up."""
 
+
 class HungRewardError(ValueError):
     """Too many calls of one reward function still run past their deadline (MAX_HUNG_CALLS): the run stops."""
 
@@ -192,23 +193,21 @@ def _check_finite(values: dict[str, list[float | None]], totals: list[float]) ->
 
 
 async def _call(func: RewardFunc, kwargs: dict[str, Any], expected: int, timeout_s: float | None) -> list[float | None]:
+    synchronous = not inspect.iscoroutinefunction(func.fn)
+    if synchronous and (hung := still_running_abandoned(f"reward-{func.name}")) >= MAX_HUNG_CALLS:
+        raise HungRewardError(
+            f"reward function '{func.name}' has {hung} calls still running past --reward_timeout_s "
+            f"({timeout_s:g} s; each holds a thread Python cannot stop): it hangs; make it return (or raise --reward_timeout_s)"
+        )
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
-            if inspect.iscoroutinefunction(func.fn):
+            if not synchronous:
                 result = await func.fn(**kwargs)
             else:
-                hung = still_running_abandoned(f"reward-{func.name}")
-                if hung >= MAX_HUNG_CALLS:
-                    raise HungRewardError(
-                        f"reward function '{func.name}' has {hung} calls still running past --reward_timeout_s "
-                        f"({timeout_s:g} s; each holds a thread Python cannot stop): it hangs; make it return (or raise --reward_timeout_s)"
-                    )
                 result = await in_daemon_thread(functools.partial(func.fn, **kwargs), name=f"reward-{func.name}")
                 if inspect.isawaitable(result):
                     result = await result
-    except HungRewardError:
-        raise
     except Exception as error:  # re-raised as one line naming the function and its line; nothing is swallowed
         if deadline.expired():
             raise RewardTimeoutError(f"reward function '{func.name}' did not return within {timeout_s:g} s (--reward_timeout_s)") from None

@@ -38,6 +38,8 @@ def _decode_attention_kernel(
     # enough programs to keep the memory busy. A context of one chunk writes its output here (the
     # short-context path); otherwise each chunk writes its normalised partial output and log-sum-exp,
     # merged by _merge_splits_kernel.
+    # (Past 60 lines, one kernel on purpose: the online-softmax loop's running max, sum and accumulator live in
+    # registers across it; the cap is _capped, the merge its own kernel. A split wants a GPU to show it is free.)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,6 +188,7 @@ def _prefill_attention_kernel(
     # one program per (query tile, key/value head): TILE_Q consecutive queries of one sequence times the G
     # query heads that share the head's keys, as TILE_Q * GP rows; the keys are read through the block table
     # straight from the cache, causal from the bottom right (a query at position p sees positions 0..p)
+    # (Past 60 lines for the decode kernel's reason: one online-softmax loop whose state stays in registers.)
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(tile_seq_ptr + t)

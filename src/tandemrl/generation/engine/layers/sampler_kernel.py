@@ -143,6 +143,9 @@ def _sample_filtered_kernel(
     # bisection over the keys with one pass over the row a round (no sort); then one pass draws the
     # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
     # sort would (sampler.filter_logits).
+    # (Past 60 lines, one program on purpose: the three searches and the draw share the row's max, keys and
+    # running sums in registers; the searches' passes are already _mass_at_or_above, and what is left is the
+    # per-filter arithmetic, which reads best in order. Only a GPU can show a further split costs nothing.)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     temp = tl.load(temps_ptr + row)

@@ -165,8 +165,13 @@ def bench_generate(name: str, args) -> None:
     ours_s = time.perf_counter() - start
     assert sum(map(len, out)) == num_prompts * new_tokens
     ours_tps = num_prompts * new_tokens / ours_s
-    print(json.dumps({"family": name, "system": "ours", "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(ours_s, 2), "tokens_per_s": round(ours_tps, 1)}), flush=True)  # fmt: skip
+    stats = {k: round(v, 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if hasattr(engine, "stats") else {}
+    print(json.dumps({"family": name, "system": "ours", "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(ours_s, 2), "tokens_per_s": round(ours_tps, 1), **stats}), flush=True)  # fmt: skip
     print(f"{name}: ours vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {ours_tps / hf_tps:.2f}x", flush=True)
+    if args.profile and DEVICE == "cuda":  # where ours spends its device time: the top kernels of one more call
+        from engine import print_kernel_profile  # bench/engine.py
+
+        print_kernel_profile(lambda: engine_generate(engine, prompts, new_tokens, greedy=False), top=25)
     agree = prompts_of(model.config.vocab_size, args.agree_prompts, seed=1)
     ours, theirs = engine_generate(engine, agree, args.agree_tokens, greedy=True), hf_generate(model, agree, args.agree_tokens, greedy=True)
     prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
@@ -227,6 +232,7 @@ def main() -> None:
     parser.add_argument("--completion_tokens", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="tandem train with its compiled decoder layers (~1 min more a family)")
     parser.add_argument("--train_timeout_s", type=float, default=300)
+    parser.add_argument("--profile", action="store_true", help="after ours is timed, print its top device kernels from one more call")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     global DEVICE, DTYPE

@@ -102,6 +102,8 @@ async def measure(parts, args) -> list[dict]:
         sampling = resolved_sampling(parse([*SETTINGS[name], "--max_completion_length", str(args.completion_len)])[0])
         parts.params = dataclasses.replace(sampling, ignore_eos=True)  # what the sampler draws from
         parts.trainer.temperature = sampling.temperature  # what the trainer scores under (cli/build.py's rule)
+        if hasattr(sampling, "top_k_alone"):  # the trainer keeps its own top-k where top-k is the only filter (cli/build.py's _trainer)
+            parts.trainer.top_k = sampling.top_k_alone
         start = parts.trainer.policy_version
         settings = LoopSettings(
             max_steps=start + args.steps, num_prompts_per_step=args.prompts, num_generations=args.generations, scale_rewards="group",

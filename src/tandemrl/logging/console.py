@@ -142,7 +142,7 @@ def readable_text(tokenizer: Any, token_ids: list[int], text: str) -> str:
     if "\ufffd" in text and tokenizer.decode(token_ids, skip_special_tokens=True) == text:
         byte_of = _byte_of_char()
         tokens = tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=True)
-        if all(c in byte_of for t in tokens for c in t):
+        if all(t is not None and all(c in byte_of for c in t) for t in tokens):  # None: an id past the tokenizer's vocab
             text = bytes(byte_of[c] for t in tokens for c in t).decode("utf-8", errors="backslashreplace")
     return printable(text, keep_newlines=True)
 

@@ -48,3 +48,15 @@ def test_the_banner_says_what_lora_trains():
     line = lora_line(r=16, alpha=32.0, targets=("all-linear",), trained=32_832, whole=("model.norm",), whole_lr=1.0)
     assert line == "LoRA r 16, alpha 32 on all-linear (32.8k parameters trained); trained whole: model.norm, learning rate 1"
     assert lora_line(r=8, alpha=16.0, targets=("q_proj", "v_proj"), trained=10) == "LoRA r 8, alpha 16 on q_proj v_proj (10 parameters trained)"
+
+
+def test_ids_past_the_tokenizers_vocab_do_not_break_the_completion_log():
+    """A model whose vocab is wider than its tokenizer's (Qwen2.5's 152,064 rows over 151,665 tokens) can sample an id
+    that has no token: convert_ids_to_tokens gives None for it, which readable_text met as a TypeError (issue 30's
+    LoRA 7B run on the H200, at its first logged completion)."""
+    tokenizer = build_tokenizer()
+    ids = [*tokenizer.convert_tokens_to_ids(["a", "â"]), len(tokenizer) + 5]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True)[-1] is None
+    assert "\ufffd" in text  # the lone byte 0xE2: readable_text maps tokens back to bytes, and met the None
+    assert readable_text(tokenizer, ids, text) == printable(text, keep_newlines=True)

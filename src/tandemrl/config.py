@@ -303,6 +303,31 @@ class TrainConfig:
         if self.lora.lora_dropout > 0 and self.trainer.disable_dropout:
             raise ValueError("--lora_dropout needs --disable_dropout false (which otherwise sets every dropout to 0)")
 
+    def lora_engine_shares_base(self, *, num_ranks: int = 1, hf_config: Any = None) -> bool:
+        """Whether the colocated engine serves the LoRA policy beside the trainer's own base (--lora_engine):
+        the one rule, read by the memory plan and by the build (`hf_config`: the policy's, when known). ValueError
+        (one line) where --lora_engine shared was asked for and cannot be."""
+        if not self.lora.enabled or self.lora.lora_engine == "merged":
+            return False
+        # engine code, imported late: the MoE models' classes, and the families the engine runs
+        from tandemrl.generation.engine.models.family import unsupported_reason
+        from tandemrl.generation.engine.models.loading import MODEL_CLASSES
+
+        g, model_type = self.generation, getattr(hf_config, "model_type", "")
+        why = (
+            "no colocated engine generates the policy" if g.rollout_mode != "colocate" or g.generator != "engine"
+            else "the engine runs on another device (--generator_device)" if g.generator_device
+            else "the engine is split over ranks (--tensor_parallel_size)" if self.engine.tensor_parallel_size > 1
+            else "each torchrun rank holds a shard of the base" if num_ranks > 1
+            else "--offload_model moves the base off the GPU while the engine generates from it" if self.offload.offload_model
+            else f"the engine serves adapters beside the base of dense models only ({model_type})" if model_type in MODEL_CLASSES
+            else f"the engine does not run this model ({unsupported_reason(hf_config)})" if hf_config is not None and unsupported_reason(hf_config)
+            else None
+        )  # fmt: skip
+        if why is not None and self.lora.lora_engine == "shared":
+            raise ValueError(f"--lora_engine shared: {why}; use --lora_engine merged (or auto)")
+        return why is None
+
     def to_dict(self) -> dict[str, Any]:
         """Flat {flag: value}, as saved in the run directory and accepted by --config; secrets left out."""
         return {k: v for leaf in asdict(self).values() for k, v in leaf.items() if k not in SECRETS}

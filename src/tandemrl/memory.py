@@ -341,7 +341,11 @@ def _trainer_static(shape: ModelShape, setup: Setup, levers: Levers) -> tuple[di
 
 
 def _engine_weights(shape: ModelShape, setup: Setup) -> int:
-    return 0 if setup.engine_shares_base and setup.lora_rank else 2 * shape.num_parameters
+    """The engine's own weights in 16 bits; serving beside a LoRA trainer's base (--lora_engine shared), only its
+    adapters (on every projection, whatever the targets: generation/engine/layers/lora.py)."""
+    if setup.engine_shares_base and setup.lora_rank:
+        return 2 * shape.lora_parameters(setup.lora_rank, ("all-linear",))
+    return 2 * shape.num_parameters
 
 
 def _engine_activations(shape: ModelShape, setup: Setup) -> int:

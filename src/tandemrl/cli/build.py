@@ -80,6 +80,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         _resume(trainer, cursor, state, checkpoint)
     start_step = state["step"] if state is not None else 0
     generator, sync = early or _rollout_side(config, plan, model, tokenizer, dp=dp)
+    trainer.engine_unshared = getattr(generator, "unshared_base", None)  # --lora_engine shared: syncs move the adapters
     device = next(model.parameters()).device
     if dp.is_main:
         _save_config(config, run_dir)
@@ -131,12 +132,13 @@ def _memory_plan(config: TrainConfig, device: torch.device, num_ranks: int) -> A
     here, in one line, before anything loads."""
     if device.type != "cuda":
         return None
+    hf_config = model_config(config)
     try:
-        shape = ModelShape.from_hf_config(model_config(config))
+        shape = ModelShape.from_hf_config(hf_config)
     except ValueError as error:  # a family the arithmetic does not describe: the engine sizes itself as before
         log.warning("%s; the KV cache comes from --gpu_memory_utilization and no lever is turned on", error)
         return None
-    return plan_memory(shape, memory_setup(config, num_ranks=num_ranks), gpu_bytes=gpu_bytes(device))
+    return plan_memory(shape, memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes=gpu_bytes(device))
 
 
 def _logger(config: TrainConfig, run_dir: Path, start_step: int) -> Any:
@@ -446,11 +448,17 @@ def _rollout_side(
             sync = ShardedSync(sync, dp, move_model_batches=batches, gather_dtype=gather_dtype)
         return generator, sync
     backend = dataclasses.replace(plan.generator, device=device) if device and not config.generation.generator_device else plan.generator
-    if config.lora.enabled:  # the engine reads a plain model: the merged weights under their plain names
-        from tandemrl.train.lora import MergedView
+    policy = model
+    shared = config.lora.enabled and config.lora_engine_shares_base(num_ranks=dp.world_size, hf_config=model.config)
+    if config.lora.enabled:  # the engine reads a plain model: the base it applies the adapters beside, or the merged weights
+        from tandemrl.train.lora import BaseView, MergedView
 
-        model = MergedView(model)
-    generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp)
+        model = BaseView(model) if shared else MergedView(model)
+    generator = build_generator(backend, model=model, tokenizer=tokenizer, tp=tp, adapter_rank=config.lora.lora_r if shared else 0)
+    if shared:  # the trainer's frozen base becomes the engine's tensors (Engine.share_base)
+        from tandemrl.train.lora import frozen_base
+
+        generator.share_base(frozen_base(policy))
     return generator, build_weight_sync(config.local_sync, generator, gather_dtype=gather_dtype)
 
 

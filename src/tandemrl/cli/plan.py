@@ -36,11 +36,12 @@ def max_model_len(config: TrainConfig, max_positions: int | None = None) -> int:
     return config.engine.model_len(max_positions=max_positions, wanted=wanted)
 
 
-def memory_setup(config: TrainConfig, *, num_ranks: int = 1) -> Setup:
+def memory_setup(config: TrainConfig, *, num_ranks: int = 1, hf_config: Any = None) -> Setup:
     """The run as the plan sees it: one rank's share of it under torchrun."""
     g, e, t, o = config.generation, config.engine, config.trainer, config.offload
     engine = g.rollout_mode == "colocate" and g.generator == "engine" and not g.generator_device
-    frozen = []  # levers the plan may not turn on here
+    shares_base = config.lora_engine_shares_base(num_ranks=num_ranks, hf_config=hf_config)
+    frozen = ["offload_model"] if shares_base else []  # levers the plan may not turn on here (the engine generates from the base)
     if g.max_staleness > 0 or not engine:
         frozen.append("sleep_level")
     if num_ranks > 1:
@@ -50,7 +51,7 @@ def memory_setup(config: TrainConfig, *, num_ranks: int = 1) -> Setup:
     length = max_model_len(config)
     return Setup(
         lora_rank=config.lora.lora_r, lora_targets=tuple(config.lora.lora_target_modules), master_bytes=4 if t.dtype == "float32" else 2,
-        mixed=t.bf16 and t.dtype == "float32", engine=engine, reference=config.algo.beta > 0 and not config.lora.enabled, num_ranks=num_ranks,
+        mixed=t.bf16 and t.dtype == "float32", engine=engine, engine_shares_base=shares_base, reference=config.algo.beta > 0 and not config.lora.enabled, num_ranks=num_ranks,
         num_sequences=max(1, config.data.num_prompts_per_step * config.data.num_generations * config.data.steps_per_round // num_ranks),
         group_size=config.data.num_generations, prompt_tokens=config.data.max_prompt_length, max_model_len=length, block_size=e.block_size,
         prefill_tokens=max(e.max_num_batched_tokens, length), logprob_chunk_size=t.logprob_chunk_size,
@@ -64,7 +65,7 @@ def memory_setup(config: TrainConfig, *, num_ranks: int = 1) -> Setup:
 def plan_for(config: TrainConfig, gpu_bytes: int, *, hf_config: Any = None, num_ranks: int = 1) -> MemoryPlan:
     """The plan of this run on a GPU of `gpu_bytes`; MemoryPlanError (a ValueError, one line) if it cannot fit."""
     hf_config = hf_config if hf_config is not None else model_config(config)
-    return plan_memory(ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks), gpu_bytes=gpu_bytes)
+    return plan_memory(ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes=gpu_bytes)
 
 
 def with_plan(config: TrainConfig, plan: MemoryPlan) -> TrainConfig:

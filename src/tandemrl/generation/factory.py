@@ -11,16 +11,17 @@ from tandemrl.generation.base import EngineConfig, Generator, GeneratorConfig, H
 log = logging.getLogger(__name__)
 
 
-def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None, tp: Any = None) -> Generator:
+def build_generator(config: GeneratorConfig, *, model: Any = None, tokenizer: Any = None, tp: Any = None, adapter_rank: int = 0) -> Generator:
     """The one place a backend is chosen. `model`/`tokenizer`: the trainer's, in colocate mode. `tp`: the
-    engine's tensor-parallel group (generation/engine/parallel.py), when it is split across ranks."""
+    engine's tensor-parallel group (generation/engine/parallel.py), when it is split across ranks.
+    `adapter_rank`: a colocated LoRA policy served beside the trainer's base (train/lora.py), the engine only."""
     match config:
         case EngineConfig():
             from tandemrl.generation.engine import Engine, unsupported_reason
 
             reason = unsupported_reason(config, model=model)
             if reason is None:
-                return Engine(config, model=model, tokenizer=tokenizer, tp=tp)
+                return Engine(config, model=model, tokenizer=tokenizer, tp=tp, adapter_rank=adapter_rank)
             if config.tensor_parallel_size > 1:
                 raise ValueError(f"{reason}: the engine cannot serve it, and only the engine takes --tensor_parallel_size")
             log.warning("engine: %s; falling back to the hf generator", reason)

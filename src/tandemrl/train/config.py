@@ -124,7 +124,8 @@ class OffloadConfig:
 
 @dataclass(kw_only=True)
 class LoraConfig:
-    """LoRA through peft: only low-rank adapters train; the engine receives merged weights (train/lora.py)."""
+    """LoRA through peft: only low-rank adapters train; the engine serves them beside the trainer's base or
+    merged into a copy of its own (--lora_engine; train/lora.py)."""
 
     lora_r: int = 0
     """LoRA rank; 0 = off (every weight trains)."""
@@ -143,6 +144,12 @@ class LoraConfig:
     AdamW moves every weight by about the learning rate a step: a norm's weights are ~1, an adapter's ~0.1
     or less, so a rate that suits the adapters barely moves a norm. The embedded default's LoRA recipe
     trains its final norm (which sets the logits' scale) at 1.0."""
+    lora_engine: Literal["auto", "shared", "merged"] = "auto"
+    """How a colocated engine serves the LoRA policy. shared: from the trainer's own frozen base tensors, the
+    adapters applied beside them (one copy of the base on the GPU; each sync moves only the adapters);
+    merged: from a copy of its own with the adapters merged in (each sync moves the adapted weights). auto:
+    shared where it can be (the engine on the trainer's device, one process, --tensor_parallel_size 1, a
+    dense model, no --offload_model), else merged."""
     lora_save_merged: bool = False
     """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
     is, to checkpoint-N/merged."""
@@ -152,6 +159,8 @@ class LoraConfig:
         return self.lora_r > 0
 
     def __post_init__(self) -> None:
+        if self.lora_engine not in ("auto", "shared", "merged"):
+            raise ValueError(f"--lora_engine must be auto, shared or merged, got {self.lora_engine!r}")
         if self.lora_r < 0 or not self.lora_target_modules or not 0 <= self.lora_dropout < 1:
             raise ValueError("--lora_r must be >= 0, --lora_target_modules non-empty and --lora_dropout in [0, 1)")
         rate = self.lora_modules_to_save_learning_rate

@@ -1,8 +1,11 @@
 """LoRA through peft: only the adapters train; everything outside sees one plain model.
 
-The engine receives the merged weights under the Hugging Face names it knows, each adapted weight
-merged on the fly (W + scale x B @ A into a new tensor, one layer at a time), so the trained base is
-never touched. The reference policy (--beta) is the base itself: the policy with its adapters disabled
+A colocated engine serves the policy one of two ways (--lora_engine). shared: the trainer's frozen base
+becomes views of the engine's weights (one copy in the process), and the engine applies the adapters
+beside them (generation/engine/layers/lora.py), taking only the adapters at each sync (`adapter_weights`).
+merged: the engine holds its own copy and receives the merged weights under the Hugging Face names it
+knows, each adapted weight merged on the fly (W + scale x B @ A into a new tensor, one layer at a time), so
+the trained base is never touched. The reference policy (--beta) is the base itself: the policy with its adapters disabled
 (peft's `disable_adapter`), no second copy. Checkpoints hold the adapter in peft's format and, on request,
 the merged model. Under torchrun FSDP2 shards the transformers model inside the peft model, adapters
 included; merged weights are then sharded tensors, made whole by whoever reads them (LocalSync, a
@@ -116,6 +119,59 @@ def merged_weights(model: Any, *, changed_only: bool = False) -> Iterator[tuple[
             yield f"{owner}.weight", (param.detach() + sum(deltas)).to(param.dtype) if deltas else param.detach()
         elif not changed_only:
             yield f"{owner}.{leaf}", param.detach()
+
+
+def frozen_base(model: Any) -> list[tuple[str, Tensor]]:
+    """(Hugging Face name, parameter) of the frozen base: every weight but the adapters and the modules trained
+    whole (--lora_engine shared hands these to the engine, which keeps them in its own tensors).
+
+    Example: ...q_proj.base_layer.weight -> ("model.layers.0.self_attn.q_proj.weight", the parameter)
+    """
+    return [
+        (name.replace(".base_layer.", "."), param) for name, param in unwrap(model).named_parameters()
+        if not param.requires_grad and ".lora_" not in name and ".original_module." not in name and ".modules_to_save." not in name
+    ]  # fmt: skip
+
+
+@torch.no_grad()
+def adapter_weights(model: Any, *, unshared: set[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:  # type: ignore[assignment]
+    """What an engine serving beside the shared base takes (--lora_engine shared): each adapted layer's
+    lora_A and lora_B (B times the adapter's scaling) under the layer's Hugging Face name, and the modules
+    trained whole; plus the frozen weights named in `unshared` (those the engine keeps a copy of its own).
+
+    Example: q_proj with A [r, E], B [Q, r], scaling s -> ("...q_proj.lora_A.weight", A), ("...q_proj.lora_B.weight", s B)
+    """
+    inner = unwrap(model)
+    for name, module in inner.named_modules():
+        if not isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):  # a peft LoRA layer has them
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if not adapters:
+            continue
+        if len(adapters) > 1:
+            raise ValueError(f"{name}: {len(adapters)} active adapters; the engine applies one")
+        (adapter,) = adapters
+        yield f"{name}.lora_A.weight", module.lora_A[adapter].weight.detach()
+        yield f"{name}.lora_B.weight", module.lora_B[adapter].weight.detach() * module.scaling[adapter]
+    for name, param in inner.named_parameters():
+        if trained_whole(name):
+            yield re.sub(r"\.modules_to_save\.[^.]+\.", ".", name), param.detach()
+    for name, param in frozen_base(model):
+        if name in unshared:
+            yield name, param.detach()
+
+
+class BaseView:
+    """What the engine reads of a peft model it serves beside the shared base: the frozen base (unmerged)
+    and the modules trained whole, under plain names; the adapters come with the first weight update."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = unwrap(model).config
+
+    def state_dict(self) -> dict[str, Tensor]:
+        whole = {re.sub(r"\.modules_to_save\.[^.]+\.", ".", n): p.detach() for n, p in unwrap(self.model).named_parameters() if trained_whole(n)}
+        return {**{name: param.detach() for name, param in frozen_base(self.model)}, **whole}
 
 
 class MergedView:

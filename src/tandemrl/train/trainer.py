@@ -31,7 +31,7 @@ from tandemrl.train.distributed import (
     SINGLE, DataParallel, full_state_dict, full_tensor, load_full_state_dict, load_optimizer, load_whole_optimizer,
 )  # fmt: skip
 from tandemrl.train.forward import ForwardPlan, forward_plan, microbatch_budget
-from tandemrl.train.lora import is_lora, merged_weights, reference_policy, trained_whole, unwrap
+from tandemrl.train.lora import adapter_weights, is_lora, merged_weights, reference_policy, trained_whole, unwrap
 from tandemrl.train.moe import aux_loss, hooks, prepare_forward, route_layout
 from tandemrl.train.offload import TrainerOffload
 from tandemrl.types import Batch, RolloutStatus, TokenTrace
@@ -56,6 +56,9 @@ class Trainer:
         self.num_skipped_steps = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
         self._filler: PackedBatch | None = None  # under FSDP, the step's zero-weight micro-batch (idle_batch)
         self._published: tuple[Any, list] | None = None  # (model, its named parameters): listed once, by published_weights
+        # LoRA served beside the shared base (--lora_engine shared): the frozen weights the engine keeps a copy of;
+        # None: the engine takes merged weights (set by cli/build.py once the engine holds the base)
+        self.engine_unshared: set[str] | None = None
         # logprobs are taken under the sampling temperature (greedy sampling -> plain softmax)
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_k = top_k  # > 0: the sampler's only filter, so each filtered row keeps its own top_k (algo/logprobs.py)
@@ -120,6 +123,8 @@ class Trainer:
         masters, the weights the trainer computes with, and no extra copy (the next forward's refresh
         then has nothing to do)."""
         if is_lora(self.model):
+            if self.engine_unshared is not None:  # an engine serving beside the shared base: the adapters (train/lora.py)
+                return adapter_weights(self.model, unshared=set() if changed_only else self.engine_unshared)
             return merged_weights(self.model, changed_only=changed_only)
         model = self.plan.forward_model(self.model, self.policy_version)
         if self._published is None or self._published[0] is not model:  # the same Parameter objects every step: listing

@@ -72,3 +72,36 @@ def test_the_tiny_default_plans_on_a_gpu_without_levers():
     plan = plan_for(config, int(23.6 * GiB))
     assert not plan.levers.names() and plan.kv_tokens > 0
     assert dataclasses.replace(memory_setup(config), levers=plan.levers) is not None
+
+
+def test_lora_7b_served_beside_the_trainers_base_plans_one_copy_of_it(seven_b):
+    """--lora_engine auto (the default) on one GPU: the engine holds only its adapters, so each phase's peak
+    is a bf16 base (15.2 GB for 7.6B parameters) lower than with the engine's own merged copy."""
+    shared, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16"])
+    merged, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--lora_engine", "merged"])
+    a, b = plan_for(shared, int(139.8 * GiB)), plan_for(merged, int(139.8 * GiB))
+    assert a.setup.engine_shares_base and not b.setup.engine_shares_base
+    assert a.phases["generation"]["engine weights"] < 0.1 * GiB < 14 * GiB < b.phases["generation"]["engine weights"]
+    for phase in ("generation", "training"):
+        assert 14 * GiB < b.peak(phase) - a.peak(phase) < 15 * GiB
+    assert "offload_model" in memory_setup(shared).frozen_levers  # the engine generates from the base: it stays on the GPU
+
+
+def test_the_lora_engine_rule_says_why_shared_cannot_be():
+    from transformers import Qwen3MoeConfig
+
+    def rule(*flags, **kw):
+        config, _ = parse(["--model", "m", "--lora_r", "8", *flags])
+        return config.lora_engine_shares_base(**kw)
+
+    assert rule() and not rule("--lora_engine", "merged") and not rule(num_ranks=2)
+    assert not rule(hf_config=Qwen3MoeConfig(num_hidden_layers=1))
+    for flags, kw, why in [
+        (["--rollout_mode", "server", "--rollout_server_urls", "http://h:1"], {}, "no colocated engine"),
+        (["--tensor_parallel_size", "2"], {}, "split over ranks"),
+        ([], {"num_ranks": 2}, "torchrun rank"),
+        (["--offload_model"], {}, "--offload_model"),
+        ([], {"hf_config": Qwen3MoeConfig(num_hidden_layers=1)}, "dense models only"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            rule("--lora_engine", "shared", *flags, **kw)

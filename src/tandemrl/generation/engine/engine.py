@@ -57,9 +57,12 @@ MAX_FAILED_STEPS = 3  # a request in this many failed steps fails, even when nev
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, model: Any = None, tokenizer: Any = None, tp: TensorParallel | None = None, adapter_rank: int = 0
+    ) -> None:
         """`model`/`tokenizer`: the trainer's, in colocate mode (else loaded from config.model). `tp`: this
-        rank's tensor-parallel group (config.tensor_parallel_size ranks); a follower takes no requests."""
+        rank's tensor-parallel group (config.tensor_parallel_size ranks); a follower takes no requests.
+        `adapter_rank`: LoRA adapters of this rank applied beside the base (layers/lora.py; see share_base)."""
         if config.tensor_parallel_size != (tp.size if tp is not None else 1):
             raise ValueError(
                 f"--tensor_parallel_size {config.tensor_parallel_size}: the engine needs a group of that many ranks; "
@@ -69,9 +72,12 @@ class Engine:
         self.tp = tp
         self.is_follower = tp is not None and not tp.is_leader
         self.version = 0
+        self.unshared_base: set[str] | None = None  # set by share_base: the frozen weights a LoRA trainer did not share
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._load_model(model, tokenizer)
+        if adapter_rank:  # before the runner: its CUDA graphs read the adapters in place
+            self.model.attach_adapters(adapter_rank)
         self._build_device_plane()
         self._build_control_plane()
         self._start_thread()
@@ -209,6 +215,29 @@ class Engine:
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.residency.load(weights)
         self.version = version
+
+    def share_base(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A colocated LoRA trainer's frozen base, by Hugging Face name, made views of this engine's weights
+        (`tensor.data` rebound: one copy of the base in the process, the engine's; the trainer's own tensors are
+        freed). A tensor whose shape, dtype or device differs from the engine's keeps its own: its name goes in
+        `unshared_base` (weight updates refill the engine's copy). Shared storages are never dropped by sleep
+        level 2. One rank, between steps; the engine must hold adapters (`adapter_rank`)."""
+        if self.tp is not None:
+            raise ValueError("the engine shares a LoRA trainer's base on one rank only (--tensor_parallel_size 1)")
+        named = list(named)
+        unshared: set[str] = set()
+        with self._between_steps(), torch.no_grad():
+            views = self.model.base_views(name for name, _ in named)
+            for name, tensor in named:
+                view = views.get(name)
+                if view is None or (view.shape, view.dtype, view.device) != (tensor.shape, tensor.dtype, tensor.device):
+                    unshared.add(name)
+                    continue
+                if view.data_ptr() != tensor.data_ptr():
+                    view.copy_(tensor)  # the trainer's values (the engine was built from them: equal)
+                    tensor.data = view
+                self.residency.weights.kept.add(view.untyped_storage().data_ptr())
+        self.unshared_base = unshared
 
     async def sleep(self, level: int) -> None:
         """The leader's sleep and wake reach every rank; on a follower (a colocated trainer's rank) these

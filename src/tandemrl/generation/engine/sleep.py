@@ -22,17 +22,22 @@ class DroppableWeights:
         self.model = model
         self.missing: set[str] = set()  # HF names dropped and not yet written again
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
+        self.kept: set[int] = set()  # storages (data_ptr) a colocated LoRA trainer keeps its frozen base in: never dropped
 
     @torch.no_grad()
     def drop(self) -> None:
         seen: set[int] = set()
-        for param in self.model.parameters():  # tied weights share one storage: freed once
+        dropped: set[str] = set()
+        for name, param in self.model.named_parameters():  # tied weights share one storage: freed once
             storage = param.untyped_storage()
+            if storage.data_ptr() in self.kept:
+                continue
+            dropped.add(name)
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 self._dropped.append((storage, storage.nbytes()))
                 storage.resize_(0)
-        self.missing = hf_names(self.model)
+        self.missing = hf_names(self.model, only=dropped)
 
     @torch.no_grad()
     def reallocate(self) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandemrl.generation.engine.layers.lora import Linear
 from tandemrl.generation.engine.parallel import TensorParallel
 
 
-class RowParallelLinear(nn.Linear):
-    """y = sum over ranks of x_r W_r^T, + bias (whole on every rank, added once)."""
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_r W_r^T, + bias (whole on every rank, added once); on one rank a plain Linear
+    (adapters included, layers/lora.py)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TensorParallel | None) -> None:
         super().__init__(in_features, out_features, bias=bias)

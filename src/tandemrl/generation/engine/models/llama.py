@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandemrl.generation.engine.layers import lora
 from tandemrl.generation.engine.layers.attention import AttentionMetadata, paged_attention
 from tandemrl.generation.engine.layers.rope import apply_rope, rope_table
 from tandemrl.generation.engine.layers.sharded import RowParallelLinear, VocabParallelEmbedding, gathered_logits
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         self.options, self.rope_index = layer.attention, layer.rope
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
-        self.qkv_proj = nn.Linear(hidden, sum(self.qkv_sizes), bias=family.qkv_bias)
+        self.qkv_proj = lora.Linear(hidden, sum(self.qkv_sizes), bias=family.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * head_dim, hidden, bias=family.o_bias, tp=tp)
         norm = dict(offset=family.norm_offset, in_float32=family.norm_in_float32)
         if family.qk_norm == "head":
@@ -128,7 +129,7 @@ class MLP(nn.Module):
     def __init__(self, config: Any, family: Family, tp: TensorParallel | None) -> None:
         super().__init__()
         inner = config.intermediate_size // (tp.size if tp is not None else 1)  # this rank's columns
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inner, bias=family.mlp_bias)
+        self.gate_up_proj = lora.Linear(config.hidden_size, 2 * inner, bias=family.mlp_bias)
         self.down_proj = RowParallelLinear(inner, config.hidden_size, bias=family.mlp_bias, tp=tp)
         self.activation = family.activation
 
@@ -263,13 +264,17 @@ class LlamaForCausalLM(nn.Module):
         whole = isinstance(weights, list)
         for index, (given, tensor) in enumerate(weights):
             name = "model.embed_tokens.weight" if given == "lm_head.weight" and self.tie_word_embeddings else given
-            full, tensor = tensor, self._split(name, tensor)
-            param_name, start, size = self._route(name, params)
-            if param_name is None:
-                continue
-            target = params[param_name]
-            if start is not None:
-                target = target[start : start + size]
+            full = tensor
+            if ".lora_" in name:  # an adapter (peft's name), where the engine serves beside a shared base: layers/lora.py
+                target = self._adapter_target(name)
+            else:
+                tensor = self._split(name, tensor)
+                param_name, start, size = self._route(name, params)
+                if param_name is None:
+                    continue
+                target = params[param_name]
+                if start is not None:
+                    target = target[start : start + size]
             if tensor.shape != target.shape:  # copy_ broadcasts: a [1, H] tensor would fill every row of a [V, H] one
                 part = " (this rank's part)" if self.shard.size > 1 else ""
                 raise ValueError(f"tensor {given} has shape {list(tensor.shape)}{part}; this model's is {list(target.shape)}")
@@ -288,6 +293,53 @@ class LlamaForCausalLM(nn.Module):
             with contextlib.suppress(TypeError):  # a plain list cannot be weakly referenced: keyed every time
                 self._load_plan.source = weakref.ref(weights)
         return written
+
+    def attach_adapters(self, rank: int) -> None:
+        """Zero LoRA adapters of `rank` on every projection (layers/lora.py): the engine then serves the base
+        weights it holds plus the adapters that weight updates write under peft's names. One rank only."""
+        if self.shard.size > 1:
+            raise ValueError("the engine applies LoRA adapters beside its base on one rank only (--tensor_parallel_size 1)")
+        fused = 1 if self.family.fused_checkpoint else None  # Phi-3: the trainer's own qkv/gate_up carry one adapter each
+        for layer in self.model.layers:
+            lora.attach(layer.self_attn.qkv_proj, slots=fused or 3, rank=rank)
+            lora.attach(layer.self_attn.o_proj, slots=1, rank=rank)
+            lora.attach(layer.mlp.gate_up_proj, slots=fused or 2, rank=rank)
+            lora.attach(layer.mlp.down_proj, slots=1, rank=rank)
+
+    def base_views(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """For Hugging Face names: the engine's tensor that holds each (a row range of a fused one for q/k/v and
+        gate/up), for a trainer that keeps its frozen base in them. One rank only."""
+        assert self.shard.size == 1, "one rank"
+        params, views = dict(self.named_parameters()), {}
+        for given in names:
+            name = "model.embed_tokens.weight" if given == "lm_head.weight" and self.tie_word_embeddings else given
+            param_name, start, size = self._route(name, params)
+            if param_name is not None:
+                views[given] = params[param_name] if start is None else params[param_name][start : start + size]
+        return views
+
+    def _adapter_target(self, name: str) -> Tensor:
+        """Where peft's adapter tensor `name` goes: its rows of the projection's stacked A, or its block of B.
+
+        Example: "model.layers.0.self_attn.k_proj.lora_B.weight" -> qkv_proj's B[q rows : q + k rows, r : 2r]
+        """
+        owner, _, leaf = name.partition(".lora_")
+        path, _, part = owner.rpartition(".")
+        fused = next(((f, index) for p, f, index in _FUSED if p == part), None)
+        try:
+            module = self.get_submodule(f"{path}.{fused[0]}" if fused else owner)
+        except AttributeError:
+            raise ValueError(f"update_weights: the model has no layer for the adapter {name!r}") from None
+        adapter = getattr(module, "adapter", None)
+        if adapter is None:
+            raise ValueError(f"update_weights: {name!r} is a LoRA adapter, and this engine holds none (it serves merged weights)")
+        slot = fused[1] if fused else 0
+        if leaf == "A.weight":
+            return adapter.a[adapter.slot(slot)]
+        if leaf == "B.weight":
+            sizes = self._fused_sizes(fused[0]) if fused else [adapter.b.shape[0]]
+            return adapter.b[sum(sizes[:slot]) : sum(sizes[: slot + 1]), adapter.slot(slot)]
+        raise ValueError(f"update_weights: {name!r}: an adapter tensor is lora_A.weight or lora_B.weight")
 
     def check_shapes(self, weights: list[tuple[str, Tensor]]) -> None:
         """ValueError naming the first tensor whose whole shape is not the one this name loaded with: what a

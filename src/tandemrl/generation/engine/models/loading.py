@@ -70,10 +70,13 @@ def build_model(
     return model
 
 
-def hf_names(model: LlamaForCausalLM) -> set[str]:
-    """The Hugging Face names a full load writes (a fused weight counts as its parts)."""
+def hf_names(model: LlamaForCausalLM, *, only: set[str] | None = None) -> set[str]:
+    """The Hugging Face names a full load writes (a fused weight counts as its parts); of the parameters
+    named in `only`, when given."""
     names = set()
     for name, _ in model.named_parameters():
+        if only is not None and name not in only:
+            continue
         fused = [(part, f) for part, f, _ in _FUSED if f".{f}." in name and not model.family.fused_checkpoint]
         names |= {name.replace(f".{f}.", f".{part}.") for part, f in fused} if fused else {name}
     return names

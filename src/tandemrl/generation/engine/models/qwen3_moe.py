@@ -75,6 +75,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             block.routes = routes
 
     @torch.no_grad()
+    def attach_adapters(self, rank: int) -> None:
+        raise ValueError("the engine applies LoRA adapters beside a shared base for dense models only (an MoE policy: --lora_engine merged)")
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """LlamaForCausalLM.load_weights, with per-expert tensors copied into their expert's rows here; a
         stacked tensor whose every expert was written counts as written."""

@@ -188,7 +188,7 @@ def save_for_training(name: str, path: Path, args) -> None:
     from tandemrl.tasks.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # the real ids lie past the tiny vocab (SmolLM3: pad 128004)
     config = config_of(name, args.smoke, num_hidden_layers=args.train_layers, **ids)
     if config.model_type == "gemma3_text":
         config.layer_types = ["sliding_attention"] * (args.train_layers - 1) + ["full_attention"]  # both kinds, as in the full depth

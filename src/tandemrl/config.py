@@ -307,15 +307,16 @@ class TrainConfig:
         """Whether the colocated engine serves the LoRA policy beside the trainer's own base (--lora_engine):
         the one rule, read by the memory plan and by the build (`hf_config`: the policy's, when known). ValueError
         (one line) where --lora_engine shared was asked for and cannot be."""
-        if not self.lora.enabled or self.lora.lora_engine == "merged":
-            return False
+        g = self.generation
+        if not self.lora.enabled or self.lora.lora_engine == "merged" or g.rollout_mode == "server":
+            return False  # servers: pushes carry only the adapters where the servers apply them (cli/build.py)
         # engine code, imported late: the MoE models' classes, and the families the engine runs
         from tandemrl.generation.engine.models.family import unsupported_reason
         from tandemrl.generation.engine.models.loading import MODEL_CLASSES
 
-        g, model_type = self.generation, getattr(hf_config, "model_type", "")
+        model_type = getattr(hf_config, "model_type", "")
         why = (
-            "no colocated engine generates the policy" if g.rollout_mode != "colocate" or g.generator != "engine"
+            "no colocated engine generates the policy" if g.generator != "engine"
             else "the engine runs on another device (--generator_device)" if g.generator_device
             else "the engine is split over ranks (--tensor_parallel_size)" if self.engine.tensor_parallel_size > 1
             else "each torchrun rank holds a shard of the base" if num_ranks > 1

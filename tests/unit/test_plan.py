@@ -132,6 +132,7 @@ ONE_HOME = [
     ("the API key's environment fallback", lambda: _constants("TANDEM_API_KEY"), {"generation/base.py"}),
     ("--max_staleness is validated", lambda: _raising("--max_staleness"), {"config.py"}),
     ("--generation_kwargs are checked", lambda: _raising("--generation_kwargs"), {"config.py"}),
+    ("where the engine serves LoRA beside the trainer's base (--lora_engine)", lambda: _raising("--lora_engine shared"), {"config.py"}),
     ("no memory fraction is a literal at a call", lambda: _literal_keywords("gpu_memory_utilization"), set()),
     ("the trainer's sampling settings are the sampler's", lambda: _trainer_sampling_args(), {"plan.sampling"}),
 ]

@@ -150,6 +150,18 @@ def _logger(config: TrainConfig, run_dir: Path, start_step: int) -> Any:
     )  # fmt: skip
 
 
+async def _servers_take_adapters(parts: LoopParts, settings: LoopSettings, config: TrainConfig) -> bool:
+    """Whether a LoRA policy's pushes to its rollout servers may carry only the adapters: every server applies
+    adapters of --lora_r beside its base (`tandem rollout --max_lora_rank`), one trainer process, no level-2
+    sleep (whose refill needs the base), and --lora_engine not merged. Waits for the servers to be ready."""
+    if config.generation.rollout_mode != "server" or not config.lora.enabled or config.lora.lora_engine == "merged":
+        return False
+    if settings.sleep_level >= 2 or parts.dp.enabled:
+        return False
+    servers = await parts.generator.client.servers_ready()
+    return bool(servers) and all(s.get("max_lora_rank", 0) >= config.lora.lora_r for s in servers)
+
+
 def _progress(config: TrainConfig, plan: Plan, start_step: int, device: torch.device) -> Any:
     from tandemrl.logging.progress import Progress
 
@@ -161,6 +173,11 @@ def _progress(config: TrainConfig, plan: Plan, start_step: int, device: torch.de
 
 
 async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, config: TrainConfig, judge_generator: Any) -> None:
+    if await _servers_take_adapters(parts, settings, config):  # then each push after the first carries only what training changes
+        from tandemrl.train.lora import frozen_base
+
+        parts.trainer.engine_unshared = {name for name, _ in frozen_base(parts.trainer.model)}  # the first push: the base too
+        parts.sync.takes_changed_only = True
     # the generator must hold the trainer's current version before the first rollout (resume, servers)
     await publish_policy(parts)
     try:

@@ -298,13 +298,17 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
         await parts.generator.wake()
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
+    pushed = 0
     if not unchanged or settings.sleep_level == 2:  # level 2 dropped the engine's weights: refill them all the same
         # a colocated engine that kept its weights takes only what the step changed (LoRA: the adapted weights)
-        await publish_policy(parts, changed_only=settings.sleep_level < 2 and getattr(parts.sync, "takes_changed_only", False))
+        pushed = await publish_policy(parts, changed_only=settings.sleep_level < 2 and getattr(parts.sync, "takes_changed_only", False))
     await asyncio.to_thread(offload.model_to_cpu)
     peaks["memory/sync_peak_gib"] = phase_peak_gib(device)
     memory = {k: v for k, v in peaks.items() if v is not None}
-    return {**train_metrics, **memory, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged)}
+    return {
+        **train_metrics, **memory, "time/train": t1 - t0, "time/sync": time.perf_counter() - t1, "sync/skipped": float(unchanged),
+        "sync/pushed_mib": pushed / 2**20,
+    }  # fmt: skip
 
 
 def phase_peak_gib(device: Any) -> float | None:
@@ -330,14 +334,24 @@ def memory_line(metrics: dict[str, float], planned: dict[str, float]) -> str | N
     return "memory: " + "; ".join(parts) if parts else None
 
 
-async def publish_policy(parts: LoopParts, *, changed_only: bool = False) -> None:
-    """The trainer's weights live on the generators at its policy version, or RunStopped saying why.
+async def publish_policy(parts: LoopParts, *, changed_only: bool = False) -> int:
+    """The trainer's weights live on the generators at its policy version, or RunStopped saying why; returns
+    the bytes handed over (this rank's tensors as published: LoRA's merged weights or adapters, whole or shards).
     `changed_only`: the generators hold the previous version whole; only what training changed is sent."""
+    pushed = 0
+
+    def counted(weights):
+        nonlocal pushed
+        for name, tensor in weights:
+            pushed += tensor.nbytes
+            yield name, tensor
+
     try:
         weights = parts.trainer.published_weights(changed_only=True) if changed_only else parts.trainer.published_weights()
-        await parts.sync.publish(weights, version=parts.trainer.policy_version)
+        await parts.sync.publish(counted(weights), version=parts.trainer.policy_version)
     except (RuntimeError, OSError) as error:  # the generators cannot take it (a server died mid-push)
         raise RunStopped(f"pushing policy version {parts.trainer.policy_version} failed: {error}") from error
+    return pushed
 
 
 CONSTANT_REWARD_STEPS = (1, 10, 100)  # warn at these lengths of a run of constant-reward steps

@@ -50,12 +50,14 @@ def build_server(
                 engine, device=str(device), max_model_len=max_model_len, gpu_memory_utilization=engine.memory_fraction(colocated=False)
             )
             tp = None
+            if sized.tensor_parallel_size > 1 and config.max_lora_rank:
+                raise ValueError("--max_lora_rank runs on one GPU: drop it or --tensor_parallel_size")
             if sized.tensor_parallel_size > 1:
                 from tandemrl.generation.engine.workers import launch
 
                 assert on_rank_death is not None
                 tp, _ = launch(sized, model=model, tokenizer=tokenizer, on_death=on_rank_death)
-            generator = build_generator(sized, model=model, tokenizer=tokenizer, tp=tp)
+            generator = build_generator(sized, model=model, tokenizer=tokenizer, tp=tp, adapter_rank=config.max_lora_rank)
     service = RolloutService(
         generator,
         model_name=config.served_model_name or engine.model,

@@ -35,11 +35,20 @@ class RolloutServerConfig:
     """Seconds an uncollected async result is kept."""
     max_request_bytes: int = 32 * 2**20
     """Largest request body accepted; a larger one is answered 413 before it is read whole."""
+    max_lora_rank: int = 0
+    """Apply LoRA adapters of up to this rank beside the served base (the engine backend, one GPU): a trainer
+    with --lora_r at most this then pushes only the adapters and the modules trained whole after its first
+    update (which carries the base too); 0 = off (pushes carry the merged weights). /sleep level 2 is then
+    refused: those pushes would not refill the base."""
     max_prompt_chars: int = 1_000_000
     """Most prompt text one request may carry, in characters: all its prompts, chat messages and template
     variables together (and each rendered chat); more is a 400, before any prompt is tokenized."""
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 0:
+            raise ValueError(f"--max_lora_rank must be >= 0, got {self.max_lora_rank}")
+        if self.max_lora_rank and self.backend != "engine":
+            raise ValueError("--max_lora_rank needs --backend engine (transformers generate applies no adapters beside its base)")
         self.api_key = resolve_api_key(self.api_key)
         if not self.api_key and not self.insecure and not is_loopback(self.host):
             raise ValueError(

@@ -363,6 +363,8 @@ class RolloutService:
             self.gate.reopen()
 
     async def sleep(self, level: int) -> None:
+        if level >= 2 and getattr(self.generator, "adapter_rank", 0):
+            raise ValueError("/sleep level 2 would drop the base this server applies LoRA adapters beside (--max_lora_rank), and adapter pushes do not resend it; use level 1")
         async with self._update_lock:
             if self.asleep:
                 return
@@ -393,6 +395,7 @@ class RolloutService:
             max_model_len=self.max_model_len,
             device_uuid=self.device_uuid,
             weight_group=self.receiver.group_id if self.receiver else None,
+            max_lora_rank=getattr(self.generator, "adapter_rank", 0),
         )
 
     async def heartbeat(self, interval_s: float) -> None:

@@ -183,6 +183,7 @@ class Readiness(BaseModel):
     max_model_len: int
     device_uuid: str | None = Field(None, description="GPU identity, for CUDA IPC weight sync on a shared GPU.")
     weight_group: str | None = Field(None, description="Id of the weight-sync group this server is in.")
+    max_lora_rank: int = Field(0, description="LoRA adapters of up to this rank are applied beside the base (--max_lora_rank): pushes may carry only them.")
 
 
 class WeightGroupRequest(BaseModel):

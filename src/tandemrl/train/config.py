@@ -149,7 +149,8 @@ class LoraConfig:
     adapters applied beside them (one copy of the base on the GPU; each sync moves only the adapters);
     merged: from a copy of its own with the adapters merged in (each sync moves the adapted weights). auto:
     shared where it can be (the engine on the trainer's device, one process, --tensor_parallel_size 1, a
-    dense model, no --offload_model), else merged."""
+    dense model, no --offload_model), else merged. With rollout servers, auto and shared push only the
+    adapters after the first update where every server applies them (tandem rollout --max_lora_rank)."""
     lora_save_merged: bool = False
     """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
     is, to checkpoint-N/merged."""

@@ -117,3 +117,23 @@ def test_a_frozen_rollout_server_ends_the_run_with_one_line_within_the_silence_d
         trainer.kill()
         server.proc.send_signal(signal.SIGCONT)
         server.stop()
+
+
+def test_lora_pushes_only_the_adapters_to_a_server_that_applies_them(tiny_model_dir, tmp_path):
+    """`tandem rollout --max_lora_rank 8` applies adapters beside its base: after the first update (which carries
+    the base too) each push is the adapters alone, and the server samples the trainer's policy (lag-0 logprobs
+    equal within float32 rounding). A server without the flag gets the merged weights every time."""
+    adapters, plain = start_server(tiny_model_dir, "--max_lora_rank", "8", backend="engine"), start_server(tiny_model_dir, backend="engine")
+    try:
+        assert adapters.get("/ready").json()["max_lora_rank"] == 8 and plain.get("/ready").json()["max_lora_rank"] == 0
+        lora = ("--lora_r", "8", "--learning_rate", "1e-2")
+        rows = train_through(tiny_model_dir, adapters, tmp_path / "adapters", *lora)
+        merged = train_through(tiny_model_dir, plain, tmp_path / "merged", *lora)
+        assert [r["policy_version"] for r in rows] == [1, 2, 3] and adapters.get("/ready").json()["policy_version"] == 3
+        assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows)  # the server's policy is the trainer's
+        assert all(0 < r["sync/pushed_mib"] < merged[0]["sync/pushed_mib"] / 4 for r in rows), [(r["sync/pushed_mib"], m["sync/pushed_mib"]) for r, m in zip(rows, merged)]
+        refused = adapters.post("/sleep", json={"level": 2})
+        assert refused.status_code == 400 and "--max_lora_rank" in refused.json()["error"]["message"]
+    finally:
+        adapters.stop()
+        plain.stop()

@@ -95,9 +95,9 @@ def test_the_lora_engine_rule_says_why_shared_cannot_be():
         return config.lora_engine_shares_base(**kw)
 
     assert rule() and not rule("--lora_engine", "merged") and not rule(num_ranks=2)
+    assert not rule("--lora_engine", "shared", "--rollout_mode", "server", "--rollout_server_urls", "http://h:1")  # servers: their own rule
     assert not rule(hf_config=Qwen3MoeConfig(num_hidden_layers=1))
     for flags, kw, why in [
-        (["--rollout_mode", "server", "--rollout_server_urls", "http://h:1"], {}, "no colocated engine"),
         (["--tensor_parallel_size", "2"], {}, "split over ranks"),
         ([], {"num_ranks": 2}, "torchrun rank"),
         (["--offload_model"], {}, "--offload_model"),

@@ -25,3 +25,11 @@ def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="--tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
     assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
+
+
+def test_max_lora_rank_is_the_engines_and_not_negative():
+    assert RolloutServerConfig(max_lora_rank=16).max_lora_rank == 16
+    with pytest.raises(ValueError, match="--max_lora_rank needs --backend engine"):
+        RolloutServerConfig(max_lora_rank=16, backend="hf")
+    with pytest.raises(ValueError, match="--max_lora_rank must be >= 0"):
+        RolloutServerConfig(max_lora_rank=-1)

@@ -76,6 +76,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._load_model(model, tokenizer)
+        self.adapter_rank = adapter_rank
         if adapter_rank:  # before the runner: its CUDA graphs read the adapters in place
             self.model.attach_adapters(adapter_rank)
         self._build_device_plane()

@@ -31,9 +31,6 @@ class Adapter:
         """(x A^T) B^T: what the adapters add to the base layer's output."""
         return F.linear(F.linear(x, self.a), self.b)
 
-    def slot(self, index: int) -> slice:
-        return slice(index * self.rank, (index + 1) * self.rank)
-
 
 class Linear(nn.Linear):
     """nn.Linear, plus its adapter's delta when one is attached (`adapter`: set by `attach`, never on a

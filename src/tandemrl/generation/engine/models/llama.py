@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             name = "model.embed_tokens.weight" if given == "lm_head.weight" and self.tie_word_embeddings else given
             full = tensor
             if ".lora_" in name:  # an adapter (peft's name), where the engine serves beside a shared base: layers/lora.py
-                target = self._adapter_target(name)
+                target = self._adapter_target(name, tensor)
             else:
                 tensor = self._split(name, tensor)
                 param_name, start, size = self._route(name, params)
@@ -318,10 +318,11 @@ class LlamaForCausalLM(nn.Module):
                 views[given] = params[param_name] if start is None else params[param_name][start : start + size]
         return views
 
-    def _adapter_target(self, name: str) -> Tensor:
+    def _adapter_target(self, name: str, tensor: Tensor) -> Tensor:
         """Where peft's adapter tensor `name` goes: its rows of the projection's stacked A, or its block of B.
+        An adapter of rank r below the engine's R fills the first r of its slot's R (the rest stay zero).
 
-        Example: "model.layers.0.self_attn.k_proj.lora_B.weight" -> qkv_proj's B[q rows : q + k rows, r : 2r]
+        Example: "model.layers.0.self_attn.k_proj.lora_B.weight" [K, R] -> qkv_proj's B[Q : Q + K, R : 2R]
         """
         owner, _, leaf = name.partition(".lora_")
         path, _, part = owner.rpartition(".")
@@ -334,11 +335,15 @@ class LlamaForCausalLM(nn.Module):
         if adapter is None:
             raise ValueError(f"update_weights: {name!r} is a LoRA adapter, and this engine holds none (it serves merged weights)")
         slot = fused[1] if fused else 0
+        rank = tensor.shape[0 if leaf == "A.weight" else -1]
+        if rank > adapter.rank:
+            raise ValueError(f"update_weights: {name!r} has rank {rank}; this engine takes adapters of rank <= {adapter.rank} (--max_lora_rank)")
+        columns = slice(slot * adapter.rank, slot * adapter.rank + rank)
         if leaf == "A.weight":
-            return adapter.a[adapter.slot(slot)]
+            return adapter.a[columns]
         if leaf == "B.weight":
             sizes = self._fused_sizes(fused[0]) if fused else [adapter.b.shape[0]]
-            return adapter.b[sum(sizes[:slot]) : sum(sizes[: slot + 1]), adapter.slot(slot)]
+            return adapter.b[sum(sizes[:slot]) : sum(sizes[: slot + 1]), columns]
         raise ValueError(f"update_weights: {name!r}: an adapter tensor is lora_A.weight or lora_B.weight")
 
     def check_shapes(self, weights: list[tuple[str, Tensor]]) -> None:

@@ -24,7 +24,6 @@ same step lock.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import itertools
@@ -35,17 +34,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from tandemrl.generation.base import EngineConfig
 from tandemrl.generation.engine.follower import Follower
 from tandemrl.generation.engine.kv_cache import BlockManager
 from tandemrl.generation.engine.models import build_model, load_hf_config, unsupported_reason, weights_of
+from tandemrl.generation.engine.models.loading import eos_ids
 from tandemrl.generation.engine.parallel import HEARTBEAT_S, TensorParallel, to_wire
 from tandemrl.generation.engine.runner import Launched, ModelRunner
 from tandemrl.generation.engine.scheduler import ScheduledBatch, Scheduler
-from tandemrl.generation.engine.sequence import Sequence, Status, seed32
+from tandemrl.generation.engine.sequence import Sequence, Status, out_of_range, seed32
 from tandemrl.generation.engine.sizing import num_kv_blocks
 from tandemrl.generation.engine.sleep import Residency
 from tandemrl.generation.loading import load_tokenizer, resolve_device, resolve_dtype
@@ -75,10 +74,8 @@ class Engine:
         self.unshared_base: set[str] | None = None  # set by share_base: the frozen weights a LoRA trainer did not share
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self._load_model(model, tokenizer)
         self.adapter_rank = adapter_rank
-        if adapter_rank:  # before the runner: its CUDA graphs read the adapters in place
-            self.model.attach_adapters(adapter_rank)
+        self._load_model(model, tokenizer)
         self._build_device_plane()
         self._build_control_plane()
         self._start_thread()
@@ -95,8 +92,10 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else (load_tokenizer(config.model) if config.model else None)
         self.max_model_len = config.model_len(max_positions=getattr(hf_config, "max_position_embeddings", None))
         source = model if model is not None else config.model
-        self.model = build_model(hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=self.tp)
-        self.eos_ids = _eos_ids(self.tokenizer, hf_config)
+        self.model = build_model(
+            hf_config, weights_of(source), dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=self.tp, adapter_rank=self.adapter_rank
+        )  # fmt: skip
+        self.eos_ids = eos_ids(self.tokenizer, hf_config)
 
     def _build_device_plane(self) -> None:
         """The runner (forward, sampling, CUDA graphs) and the KV cache, sized by _num_kv_blocks."""
@@ -218,27 +217,13 @@ class Engine:
         self.version = version
 
     def share_base(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """A colocated LoRA trainer's frozen base, by Hugging Face name, made views of this engine's weights
-        (`tensor.data` rebound: one copy of the base in the process, the engine's; the trainer's own tensors are
-        freed). A tensor whose shape, dtype or device differs from the engine's keeps its own: its name goes in
-        `unshared_base` (weight updates refill the engine's copy). Shared storages are never dropped by sleep
-        level 2. One rank, between steps; the engine must hold adapters (`adapter_rank`)."""
+        """A colocated LoRA trainer's frozen base, by Hugging Face name, made views of this engine's weights,
+        which were built from those very tensors (sleep.py's DroppableWeights.share); the names it could not
+        share go in `unshared_base`. One rank, between steps; the engine must hold adapters (`adapter_rank`)."""
         if self.tp is not None:
             raise ValueError("the engine shares a LoRA trainer's base on one rank only (--tensor_parallel_size 1)")
-        named = list(named)
-        unshared: set[str] = set()
-        with self._between_steps(), torch.no_grad():
-            views = self.model.base_views(name for name, _ in named)
-            for name, tensor in named:
-                view = views.get(name)
-                if view is None or (view.shape, view.dtype, view.device) != (tensor.shape, tensor.dtype, tensor.device):
-                    unshared.add(name)
-                    continue
-                if view.data_ptr() != tensor.data_ptr():
-                    view.copy_(tensor)  # the trainer's values (the engine was built from them: equal)
-                    tensor.data = view
-                self.residency.weights.kept.add(view.untyped_storage().data_ptr())
-        self.unshared_base = unshared
+        with self._between_steps():
+            self.unshared_base = self.residency.weights.share(list(named))
 
     async def sleep(self, level: int) -> None:
         """The leader's sleep and wake reach every rank; on a follower (a colocated trainer's rank) these
@@ -493,7 +478,7 @@ class Engine:
         vocab_size = self.runner.vocab_size  # a plain int: model.config's goes through transformers' __getattribute__
         if not prompt_ids:
             raise ValueError("empty prompt: pass at least one token id")
-        if _out_of_range(prompt_ids, vocab_size):
+        if out_of_range(prompt_ids, vocab_size):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
@@ -502,25 +487,3 @@ class Engine:
         if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
             raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
 
-
-def _out_of_range(token_ids: list[int], vocab_size: int) -> bool:
-    """Whether an id is < 0 or >= vocab_size. Runs on the event loop for every turn of every rollout: an
-    unsigned 32-bit array refuses negative ids in C and numpy finds the largest (argmax: 1 us less than
-    max's reduce), ~6.3 us for 450 ids where min() and max() of the list took ~21 us (a rich comparison
-    per id). Ids that are not 32-bit unsigned ints (or not ints) take that plain check, so every prompt
-    gets the answer it always had.
-
-    Example: _out_of_range([0, 5], 6) -> False; _out_of_range([6], 6) -> True; _out_of_range([-1], 6) -> True
-    """
-    try:
-        ids = array.array("I", token_ids)
-    except (OverflowError, TypeError):
-        return min(token_ids) < 0 or max(token_ids) >= vocab_size
-    return ids[np.frombuffer(ids, np.uintc).argmax()] >= vocab_size
-
-
-def _eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return frozenset([tokenizer.eos_token_id])
-    eos = getattr(hf_config, "eos_token_id", None)
-    return frozenset([eos] if isinstance(eos, int) else eos or [])

@@ -50,6 +50,23 @@ class DroppableWeights:
     def written(self, names: set[str]) -> None:
         self.missing -= names
 
+    @torch.no_grad()
+    def share(self, named: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """Each (Hugging Face name, trainer tensor) made a view of the model's weight that holds it (`tensor.data`
+        rebound: one copy of the base in the process; the trainer's own storage is freed), its storage never
+        dropped. The model was built from these tensors, so the values are already equal: nothing is copied.
+        Returns the names not shared (shape, dtype or device differ): the model keeps its own copy of those."""
+        views = self.model.base_views(name for name, _ in named)
+        unshared: set[str] = set()
+        for name, tensor in named:
+            view = views.get(name)
+            if view is None or (view.shape, view.dtype, view.device) != (tensor.shape, tensor.dtype, tensor.device):
+                unshared.add(name)
+                continue
+            tensor.data = view
+            self.kept.add(view.untyped_storage().data_ptr())
+        return unshared
+
 
 class Residency:
     """The engine's part for sleep, wake and weight loading; the engine calls it between steps, under its

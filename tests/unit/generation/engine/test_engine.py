@@ -15,7 +15,7 @@ from tandemrl.generation.base import EngineConfig, HFConfig, describe_generator
 
 from tandemrl.generation.engine import Engine
 from tandemrl.generation.factory import build_generator
-from tandemrl.generation.engine.engine import _out_of_range
+from tandemrl.generation.engine.sequence import out_of_range
 from tandemrl.generation.engine.models.family import SUPPORTED_MODEL_TYPES
 from tandemrl.generation.hf import HFGenerator
 from tandemrl.types import SamplingParams
@@ -313,7 +313,7 @@ def test_invalid_requests_are_rejected_at_the_boundary(family_dirs):
 
 @pytest.mark.parametrize("ids", [[0, 5], [6], [5, -1], [2**32], [-(2**40)], [True, 5], [np.int64(6)], [1.5]])
 def test_token_id_range_check_answers_as_min_and_max_did(ids):
-    assert _out_of_range(ids, 6) == (min(ids) < 0 or max(ids) >= 6)
+    assert out_of_range(ids, 6) == (min(ids) < 0 or max(ids) >= 6)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

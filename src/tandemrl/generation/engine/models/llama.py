@@ -209,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.rope_cos_sin = torch.empty(0)  # [T, P, 2, R] float32, set by rope_table(); kept out of .to(dtype)
         self._routes: dict[str, tuple[str | None, int | None, int]] = {}  # written by _route alone
+        self._adapter_routes: dict[str, tuple[lora.Adapter, str, int, slice]] = {}  # written by _adapter_target alone
         self._load_plan: LoadPlan | None = None  # the last list load_weights copied (written by load_weights alone)
         self._full_shapes: dict[str, torch.Size] = {}  # each Hugging Face name's whole shape, as loaded (written by load_weights alone)
 
@@ -324,7 +325,21 @@ class LlamaForCausalLM(nn.Module):
 
         Example: "model.layers.0.self_attn.k_proj.lora_B.weight" [K, R] -> qkv_proj's B[Q : Q + K, R : 2R]
         """
+        route = self._adapter_routes.get(name)
+        if route is None:  # names only: cached, as _route's (a sync sends ~14 adapter tensors a layer, every step)
+            route = self._adapter_routes[name] = self._find_adapter_route(name)
+        adapter, leaf, slot, rows = route
+        rank = tensor.shape[0 if leaf == "A.weight" else -1]
+        if rank > adapter.rank:
+            raise ValueError(f"update_weights: {name!r} has rank {rank}; this engine takes adapters of rank <= {adapter.rank} (--max_lora_rank)")
+        columns = slice(slot * adapter.rank, slot * adapter.rank + rank)
+        return adapter.a[columns] if leaf == "A.weight" else adapter.b[rows, columns]
+
+    def _find_adapter_route(self, name: str) -> tuple[lora.Adapter, str, int, slice]:
+        """(the projection's adapters, "A.weight" or "B.weight", the part's slot, the part's rows of B)."""
         owner, _, leaf = name.partition(".lora_")
+        if leaf not in ("A.weight", "B.weight"):
+            raise ValueError(f"update_weights: {name!r}: an adapter tensor is lora_A.weight or lora_B.weight")
         path, _, part = owner.rpartition(".")
         fused = next(((f, index) for p, f, index in _FUSED if p == part), None)
         try:
@@ -335,16 +350,8 @@ class LlamaForCausalLM(nn.Module):
         if adapter is None:
             raise ValueError(f"update_weights: {name!r} is a LoRA adapter, and this engine holds none (it serves merged weights)")
         slot = fused[1] if fused else 0
-        rank = tensor.shape[0 if leaf == "A.weight" else -1]
-        if rank > adapter.rank:
-            raise ValueError(f"update_weights: {name!r} has rank {rank}; this engine takes adapters of rank <= {adapter.rank} (--max_lora_rank)")
-        columns = slice(slot * adapter.rank, slot * adapter.rank + rank)
-        if leaf == "A.weight":
-            return adapter.a[columns]
-        if leaf == "B.weight":
-            sizes = self._fused_sizes(fused[0]) if fused else [adapter.b.shape[0]]
-            return adapter.b[sum(sizes[:slot]) : sum(sizes[: slot + 1]), columns]
-        raise ValueError(f"update_weights: {name!r}: an adapter tensor is lora_A.weight or lora_B.weight")
+        sizes = self._fused_sizes(fused[0]) if fused else [adapter.b.shape[0]]
+        return adapter, leaf, slot, slice(sum(sizes[:slot]), sum(sizes[: slot + 1]))
 
     def check_shapes(self, weights: list[tuple[str, Tensor]]) -> None:
         """ValueError naming the first tensor whose whole shape is not the one this name loaded with: what a

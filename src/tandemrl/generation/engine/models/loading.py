@@ -55,10 +55,12 @@ def weights_of(source: Any) -> Iterator[tuple[str, Tensor]]:
 
 
 def build_model(
-    hf_config: Any, weights: Iterator[tuple[str, Tensor]], *, dtype: torch.dtype, device: torch.device, max_positions: int, tp: TensorParallel | None = None
+    hf_config: Any, weights: Iterator[tuple[str, Tensor]], *, dtype: torch.dtype, device: torch.device, max_positions: int,
+    tp: TensorParallel | None = None, adapter_rank: int = 0,
 ) -> LlamaForCausalLM:
     """Allocates the model (this rank's shard, with `tp`) uninitialised on `device`, then fills every
-    parameter from `weights` (full Hugging Face tensors)."""
+    parameter from `weights` (full Hugging Face tensors); with `adapter_rank`, zero LoRA adapters of that
+    rank beside every projection (layers/lora.py), before any CUDA graph is captured over them."""
     with torch.device("meta"):
         model = MODEL_CLASSES.get(hf_config.model_type, LlamaForCausalLM)(hf_config, max_positions, tp).to(dtype)
     model = model.to_empty(device=device).eval()
@@ -67,7 +69,17 @@ def build_model(
     missing = hf_names(model) - written
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+    if adapter_rank:
+        model.attach_adapters(adapter_rank)
     return model
+
+
+def eos_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
+    """The ids that end a sequence: the tokenizer's end-of-sequence token, else the config's (one or a list)."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return frozenset([tokenizer.eos_token_id])
+    eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
 def hf_names(model: LlamaForCausalLM, *, only: set[str] | None = None) -> set[str]:

@@ -17,6 +17,7 @@ Then one line per run:
 
     python bench/memory.py                                   # H200: full 7B, LoRA r16 7B, LoRA r16 14B, ~8 min
     python bench/memory.py --runs lora7b --steps 3           # one of them
+    python bench/memory.py --runs full7b,full7bcpuadam       # full 7B with --cpu_optimizer's math on the GPU (the default), then on the CPU
     python bench/memory.py --runs tiny,tinylora --device cpu --prompts 2 --generations 2 --prompt_len 32 --completion_len 8
                                                              # CPU: a check that it runs (no allocator counts)
 """
@@ -41,9 +42,11 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=320, tie_word_embeddings=True),
 }  # fmt: skip
-RUNS = {"full7b": ("7b", 0), "lora7b": ("7b", 16), "lora7bmerged": ("7b", 16), "lora14b": ("14b", 16), "tiny": ("tiny", 0), "tinylora": ("tiny", 4),
-        "tinyloramerged": ("tiny", 4)}  # fmt: skip
-EXTRA = {"lora7bmerged": ["--lora_engine", "merged"], "tinyloramerged": ["--lora_engine", "merged"]}  # beside the workload flags
+RUNS = {"full7b": ("7b", 0), "full7bcpuadam": ("7b", 0), "lora7b": ("7b", 16), "lora7bmerged": ("7b", 16), "lora14b": ("14b", 16),
+        "tiny": ("tiny", 0), "tinylora": ("tiny", 4), "tinyloramerged": ("tiny", 4)}  # fmt: skip
+# beside the workload flags; full7bcpuadam: --cpu_optimizer (which the plan turns on) with its math on the CPU, not its default
+# form's (the moments streamed to the GPU's fused kernel)
+EXTRA = {"lora7bmerged": ["--lora_engine", "merged"], "tinyloramerged": ["--lora_engine", "merged"], "full7bcpuadam": ["--cpu_optimizer_compute", "cpu"]}
 PHASES = ("generation", "training", "sync")
 
 

@@ -9,7 +9,7 @@ every phase; one that cannot is a one-line `MemoryPlanError` naming the largest 
 would make it fit; no size is ever negative.
 
 Example: a Qwen2.5-7B shape, full fine-tuning, 16 x 8 rollouts of 128 + 256 tokens on a 141 GB GPU ->
-levers sleep_level 2 + optimizer step on CPU; training peak ~95 GiB (float32 masters and gradients,
+levers sleep_level 2 + optimizer state on CPU; training peak ~95 GiB (float32 masters and gradients,
 16-bit compute copy, activations of the micro-batch).
 """
 
@@ -26,7 +26,9 @@ MAX_MICROBATCH_TOKENS = 16384
 MIN_MICROBATCH_TOKENS = 1024
 ACTIVATION_SHARE = 0.15  # of the budget: past it a larger micro-batch buys no speed, only memory
 PHASES = ("generation", "training", "sync")
-CPU_OPTIMIZER_CHUNK = 1 << 26  # train/cpu_adam.py's CHUNK_NUMEL
+CPU_OPTIMIZER_CHUNK = 1 << 26  # train/cpu_adam.py's CHUNK_NUMEL (its cpu form's chunk)
+CPU_OPTIMIZER_GPU_CHUNK = 1 << 25  # train/cpu_adam.py's GPU_CHUNK_NUMEL (its gpu form's chunk)
+CPU_OPTIMIZER_GPU_SLOTS = 3  # train/cpu_adam.py's GPU_SLOTS
 
 
 class MemoryPlanError(ValueError):
@@ -108,7 +110,7 @@ class Levers:
     offload_optimizer: bool = False
     offload_model: bool = False
     gradient_checkpointing: bool = False
-    cpu_optimizer: bool = False  # the optimizer state lives, and its step runs, on the CPU (train/cpu_adam.py)
+    cpu_optimizer: bool = False  # the optimizer state lives on the CPU, streamed through the step (train/cpu_adam.py)
 
     def union(self, other: Levers) -> Levers:
         return Levers(
@@ -124,7 +126,7 @@ class Levers:
 
 
 # cheapest first: sleeping frees the engine's memory for a re-publish the step makes anyway; the optimizer
-# on the CPU costs a transfer of the gradients and updates; recomputing activations costs ~1/3 of training
+# state on the CPU costs its transfer each step; recomputing activations costs ~1/3 of training
 _FULL = [
     Levers(), Levers(sleep_level=1), Levers(sleep_level=2), Levers(sleep_level=2, offload_optimizer=True),
     Levers(sleep_level=2, cpu_optimizer=True), Levers(sleep_level=2, cpu_optimizer=True, offload_model=True),
@@ -162,6 +164,7 @@ class Setup:
     microbatch_tokens: int = 0  # 0 = sized by the plan
     kv_tokens: int = 0  # 0 = sized by the plan
     engine_fraction: float = 0.0  # --gpu_memory_utilization in colocate: the engine's share (weights + KV), 0 = planned
+    cpu_optimizer_compute: str = "auto"  # where --cpu_optimizer's math runs (auto: gpu for float32 trained weights)
 
 
 @dataclass(kw_only=True)
@@ -292,8 +295,7 @@ def residents(shape: ModelShape, setup: Setup, levers: Levers, *, kv_tokens: int
     # the 16-bit gradients of the compute copy grow as backward frees activations: the larger of the two
     backward = max(activations, 2 * trained // setup.num_ranks if setup.mixed and not setup.lora_rank else 0)
     logits = min(setup.logprob_chunk_size, microbatch_tokens) * shape.vocab_size * 4 * 2  # float32 logits and their gradient
-    # --cpu_optimizer: two float32 chunks of updates on the GPU (train/cpu_adam.py), allocated once
-    staging = {"optimizer staging": 2 * 4 * min(CPU_OPTIMIZER_CHUNK, trained)} if levers.cpu_optimizer else {}
+    staging = {"optimizer staging": cpu_optimizer_staging(setup, trained)} if levers.cpu_optimizer else {}
     training = {**model, **optimizer, **staging, "activations": backward, "logprob chunk": logits}
     if levers.sleep_level < 2:
         training["engine weights"] = engine_weights
@@ -315,6 +317,15 @@ def residents(shape: ModelShape, setup: Setup, levers: Levers, *, kv_tokens: int
         per_layer = sum(a * b for a, b in linears.values())
         sync["merge buffer"] = 2 * min(shape.num_layers, 64 // max(1, len(linears))) * per_layer + 8 * largest
     return {"generation": generation, "training": training, "sync": sync}
+
+
+def cpu_optimizer_staging(setup: Setup, trained: int) -> int:
+    """--cpu_optimizer's buffers on the GPU (train/cpu_adam.py), allocated once: its gpu form's slots, a chunk of
+    each float32 moment, or its cpu form's two float32 chunks of updates."""
+    gpu = setup.cpu_optimizer_compute == "gpu" or (setup.cpu_optimizer_compute == "auto" and (setup.lora_rank > 0 or setup.master_bytes == 4))
+    if gpu:  # LoRA's adapters are float32 whatever the base's dtype (train/lora.py)
+        return CPU_OPTIMIZER_GPU_SLOTS * 2 * 4 * min(CPU_OPTIMIZER_GPU_CHUNK, trained)
+    return 2 * 4 * min(CPU_OPTIMIZER_CHUNK, trained)
 
 
 def _trained_parameters(shape: ModelShape, setup: Setup) -> int:

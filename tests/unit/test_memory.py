@@ -90,6 +90,43 @@ def test_training_residents_are_the_trainers_tensors():
     assert phases["training"]["optimizer state"] == state
 
 
+@pytest.mark.parametrize("compute", ["cpu", "gpu"])
+def test_cpu_optimizer_staging_is_the_optimizers_device_buffers(compute):
+    """--cpu_optimizer in either form: the plan's optimizer staging is the bytes of the buffers CpuAdamW keeps on
+    the device (a tiny model: one chunk holds every parameter), and no optimizer state is on it."""
+    from transformers import AutoModelForCausalLM
+
+    from tandemrl.train.cpu_adam import CpuAdamW
+
+    config = hf_config()
+    optimizer = CpuAdamW(list(AutoModelForCausalLM.from_config(config).parameters()), lr=1e-3, compute=compute)
+    setup = dataclasses.replace(WORKLOAD, mixed=False, engine=False, cpu_optimizer_compute=compute)
+    phases = residents(ModelShape.from_hf_config(config), setup, Levers(cpu_optimizer=True), kv_tokens=0, microbatch_tokens=0)
+    assert phases["training"]["optimizer staging"] == sum(t.nbytes for t in optimizer.staging()) > 0
+    assert "optimizer state" not in phases["training"]
+
+
+def test_cpu_optimizer_staging_of_each_form():
+    """7B: the gpu form's 3 slots of a 32M-parameter chunk of both float32 moments (768 MiB), the cpu form's two
+    64M-parameter float32 chunks of updates (512 MiB); auto is the gpu form for float32 masters and for LoRA's
+    float32 adapters, the cpu form for bfloat16 masters. The constants are train/cpu_adam.py's."""
+    from tandemrl import memory
+    from tandemrl.train import cpu_adam
+
+    assert (memory.CPU_OPTIMIZER_CHUNK, memory.CPU_OPTIMIZER_GPU_CHUNK, memory.CPU_OPTIMIZER_GPU_SLOTS) == (
+        cpu_adam.CHUNK_NUMEL, cpu_adam.GPU_CHUNK_NUMEL, cpu_adam.GPU_SLOTS)  # fmt: skip
+    shape = qwen("7b")
+
+    def staging(**setup) -> int:
+        phases = residents(shape, dataclasses.replace(WORKLOAD, **setup), Levers(cpu_optimizer=True), kv_tokens=0, microbatch_tokens=0)
+        assert phases["generation"]["optimizer staging"] == phases["sync"]["optimizer staging"] == phases["training"]["optimizer staging"]
+        return phases["training"]["optimizer staging"]
+
+    assert staging() == staging(cpu_optimizer_compute="gpu") == staging(lora_rank=16, master_bytes=2) == 3 * 2 * 4 * 2**25 == 768 * 2**20
+    assert staging(cpu_optimizer_compute="cpu") == staging(master_bytes=2, mixed=False) == 2 * 4 * 2**26 == 512 * 2**20
+    assert staging(lora_rank=1, lora_targets=("q_proj",)) == 3 * 2 * 4 * shape.lora_parameters(1, ("q_proj",))  # fewer than a chunk
+
+
 def test_lora_trains_a_16_bit_base_and_float32_adapters():
     shape = qwen("7b")
     phases = residents(shape, dataclasses.replace(WORKLOAD, lora_rank=16), Levers(), kv_tokens=0, microbatch_tokens=0)

@@ -58,7 +58,7 @@ def memory_setup(config: TrainConfig, *, num_ranks: int = 1, hf_config: Any = No
         levers=Levers(sleep_level=g.sleep_level, offload_optimizer=o.offload_optimizer, offload_model=o.offload_model,
                       gradient_checkpointing=t.gradient_checkpointing, cpu_optimizer=o.cpu_optimizer),
         frozen_levers=tuple(frozen), microbatch_tokens=t.max_tokens_per_microbatch, kv_tokens=e.kv_cache_tokens,
-        engine_fraction=e.gpu_memory_utilization if engine else 0.0,
+        engine_fraction=e.gpu_memory_utilization if engine else 0.0, cpu_optimizer_compute=o.cpu_optimizer_compute,
     )  # fmt: skip
 
 

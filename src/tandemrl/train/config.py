@@ -110,9 +110,16 @@ class OffloadConfig:
     """During generation, keep the policy's weights (and the reference model's) in pinned CPU memory; the
     16-bit compute copy and the gradients are dropped, not copied (rebuilt from the weights for training)."""
     cpu_optimizer: bool = False
-    """The optimizer state (AdamW moments, 8 bytes a parameter) lives in CPU memory and the optimizer step runs
-    on the CPU, streamed in chunks whose copies overlap it (ZeRO-Offload's split; one process only): the GPU
-    keeps the float32 masters and gradients. The memory plan turns it on when full fine-tuning does not fit."""
+    """The optimizer state (AdamW moments, 8 bytes a parameter) lives in CPU memory, never on the GPU, which keeps
+    the float32 masters and gradients; the optimizer step streams it in chunks whose copies overlap the math
+    (ZeRO-Offload's split; one process only; --cpu_optimizer_compute says where the math runs). The memory plan
+    turns it on when full fine-tuning does not fit."""
+    cpu_optimizer_compute: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where --cpu_optimizer's AdamW math runs. gpu: each chunk's moments come from pinned CPU memory to the GPU
+    and go back after the fused AdamW kernel (16 bytes a parameter cross PCIe, both directions at once; the CPU
+    computes nothing); cpu: the gradients go to the CPU, which computes the update (8 bytes a parameter cross
+    PCIe, but the step is bound by the host memory's bandwidth). auto: gpu for float32 weights on a GPU, else cpu
+    (gpu needs float32 weights)."""
     gc_collect_after_offload: bool = False
     """After each offload, gc.collect() and hand the freed GPU memory back to the driver (empty_cache), so
     other processes see it too; otherwise it stays in PyTorch's cache for the engine of this process."""
@@ -120,6 +127,10 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.offload_optimizer or self.offload_model
+
+    def __post_init__(self) -> None:
+        if self.cpu_optimizer_compute not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"--cpu_optimizer_compute must be auto, cpu or gpu, got {self.cpu_optimizer_compute!r}")
 
 
 @dataclass(kw_only=True)

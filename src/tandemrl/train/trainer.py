@@ -71,6 +71,7 @@ class Trainer:
         self.plan.shard_policy(model)
         self.optimizer = build_optimizer(
             config, model, self.device, on_cpu=offload is not None and offload.cpu_optimizer, dp=dp, modules_to_save_lr=modules_to_save_lr,
+            cpu_compute=offload.cpu_optimizer_compute if offload is not None else "auto",
         )  # fmt: skip
         total = max(1, max_steps * algo.num_iterations)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config, total))
@@ -280,11 +281,12 @@ class Trainer:
 
 def build_optimizer(
     config: TrainerConfig, model: Any, device: torch.device, *, on_cpu: bool, dp: DataParallel = SINGLE, modules_to_save_lr: float | None = None,
+    cpu_compute: str = "auto",
 ) -> torch.optim.Optimizer:
     """AdamW over the trained parameters (with LoRA, only the adapters and the modules trained whole); with
-    `on_cpu` its state and step on the CPU (--cpu_optimizer, train/cpu_adam.py). `modules_to_save_lr`: the
-    modules trained whole beside LoRA's adapters in a group of their own at that peak rate (the scheduler
-    scales both groups alike)."""
+    `on_cpu` its state in CPU memory and its math where `cpu_compute` says (--cpu_optimizer and
+    --cpu_optimizer_compute, train/cpu_adam.py). `modules_to_save_lr`: the modules trained whole beside
+    LoRA's adapters in a group of their own at that peak rate (the scheduler scales both groups alike)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params: list[Any] = [p for _, p in named]
     whole = [p for name, p in named if trained_whole(name)] if is_lora(model) else []
@@ -299,7 +301,7 @@ def build_optimizer(
             raise ValueError("--cpu_optimizer steps every weight at one learning rate: drop --lora_modules_to_save_learning_rate (or --cpu_optimizer)")
         from tandemrl.train.cpu_adam import CpuAdamW
 
-        return CpuAdamW(params, **options)
+        return CpuAdamW(params, **options, compute=cpu_compute)
     return torch.optim.AdamW(params, **options, fused=device.type == "cuda")
 
 

@@ -12,6 +12,7 @@ from tandemrl.cli.plan import memory_setup, plan_for, with_plan
 from tandemrl.cli.train import parse
 from tandemrl.memory import GiB
 from tandemrl.pipeline.loop import memory_line
+from tandemrl.train.config import OffloadConfig
 
 SEVEN_B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                vocab_size=152064, tie_word_embeddings=False)  # fmt: skip
@@ -54,6 +55,21 @@ def test_the_plan_applies_its_levers_and_sizes_where_the_user_left_them(seven_b)
     too_little, _ = parse(["--model", seven_b, *WORKLOAD, "--gpu_memory_utilization", "0.5"])  # the issue's -44845 KV blocks
     with pytest.raises(ValueError, match="--gpu_memory_utilization 0 "):
         plan_for(too_little, int(139.8 * GiB))
+
+
+def test_the_plan_counts_the_cpu_optimizers_form(seven_b):
+    """--cpu_optimizer_compute reaches the plan: the gpu form (auto's choice here) keeps 3 slots of both moments
+    on the GPU, the cpu form two chunks of updates."""
+    staging = {}
+    for compute in ("auto", "cpu"):
+        config, _ = parse(["--model", seven_b, *WORKLOAD, "--cpu_optimizer_compute", compute])
+        assert memory_setup(config).cpu_optimizer_compute == compute
+        staging[compute] = plan_for(config, int(139.8 * GiB)).phases["training"]["optimizer staging"]
+    assert staging == {"auto": 768 * 2**20, "cpu": 512 * 2**20}
+    with pytest.raises(ValueError, match="--cpu_optimizer_compute: 'tpu' is not one of auto, cpu, gpu"):
+        parse(["--cpu_optimizer_compute", "tpu"])
+    with pytest.raises(ValueError, match="--cpu_optimizer_compute must be auto, cpu or gpu"):
+        OffloadConfig(cpu_optimizer_compute="tpu")
 
 
 def test_levers_the_run_forbids_are_never_turned_on(seven_b):

@@ -42,11 +42,11 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=320, tie_word_embeddings=True),
 }  # fmt: skip
-RUNS = {"full7b": ("7b", 0), "full7bcpuadam": ("7b", 0), "lora7b": ("7b", 16), "lora7bmerged": ("7b", 16), "lora14b": ("14b", 16),
+RUNS = {"full7b": ("7b", 0), "full7bcpuadam": ("7b", 0), "lora7b": ("7b", 16), "lora7bmerged": ("7b", 16), "lora7bshared": ("7b", 16), "lora14b": ("14b", 16),
         "tiny": ("tiny", 0), "tinylora": ("tiny", 4), "tinyloramerged": ("tiny", 4)}  # fmt: skip
 # beside the workload flags; full7bcpuadam: --cpu_optimizer (which the plan turns on) with its math on the CPU, not its default
 # form's (the moments streamed to the GPU's fused kernel)
-EXTRA = {"lora7bmerged": ["--lora_engine", "merged"], "tinyloramerged": ["--lora_engine", "merged"], "full7bcpuadam": ["--cpu_optimizer_compute", "cpu"]}
+EXTRA = {"lora7bmerged": ["--lora_engine", "merged"], "lora7bshared": ["--lora_engine", "shared"], "tinyloramerged": ["--lora_engine", "merged"], "full7bcpuadam": ["--cpu_optimizer_compute", "cpu"]}
 PHASES = ("generation", "training", "sync")
 
 

@@ -193,6 +193,8 @@ class MemoryPlan:
         p = self.shape.num_parameters
         count = f"{p / 1e9:.2f}B" if p >= 1e8 else f"{p / 1e6:.2f}M"
         what = f"LoRA r{self.setup.lora_rank}" if self.setup.lora_rank else "full fine-tuning"
+        if self.setup.lora_rank and self.setup.engine:
+            what += " (engine beside the trainer's base)" if self.setup.engine_shares_base else " (engine's own merged copy)"
         levers = " ".join(self.levers.names()) or "none"
         added = f" (turned on by the plan: {' '.join(self.added.names())})" if self.added.names() else ""
         lines = [

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from tandemrl.config import TrainConfig
-from tandemrl.memory import GiB, Levers, MemoryPlan, ModelShape, Setup, plan_memory
+from tandemrl.memory import GiB, Levers, MemoryPlan, MemoryPlanError, ModelShape, Setup, plan_memory
 
 
 def model_config(config: TrainConfig) -> Any:
@@ -63,17 +63,36 @@ def memory_setup(config: TrainConfig, *, num_ranks: int = 1, hf_config: Any = No
 
 
 def plan_for(config: TrainConfig, gpu_bytes: int, *, hf_config: Any = None, num_ranks: int = 1) -> MemoryPlan:
-    """The plan of this run on a GPU of `gpu_bytes`; MemoryPlanError (a ValueError, one line) if it cannot fit."""
+    """The plan of this run on a GPU of `gpu_bytes`; MemoryPlanError (a ValueError, one line) if it cannot fit.
+
+    LoRA under --lora_engine auto, where the engine could serve beside the trainer's base: the engine keeps a
+    merged copy of its own when that costs nothing but memory the plan has spare (the same levers, KV cache
+    and micro-batch as sharing the base), since it then generates without the adapters' extra matmuls; else
+    it shares the base (one copy of it on the GPU). Example: 7B LoRA r16 on a 141 GB GPU -> merged, on 48 GB
+    -> shared. with_plan() writes the choice into the config the build reads."""
     hf_config = hf_config if hf_config is not None else model_config(config)
-    return plan_memory(ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes=gpu_bytes)
+    shape, setup = ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config)
+    plan = plan_memory(shape, setup, gpu_bytes=gpu_bytes)
+    if not (setup.engine_shares_base and config.lora.lora_engine == "auto"):
+        return plan
+    try:
+        merged = plan_memory(shape, dataclasses.replace(setup, engine_shares_base=False), gpu_bytes=gpu_bytes)
+    except MemoryPlanError:
+        return plan
+    same = (merged.levers, merged.kv_tokens, merged.microbatch_tokens) == (plan.levers, plan.kv_tokens, plan.microbatch_tokens)
+    return merged if same else plan
 
 
 def with_plan(config: TrainConfig, plan: MemoryPlan) -> TrainConfig:
     """`config` with the plan's levers on and its sizes where the user left them to it."""
     levers, e, t = plan.levers, config.engine, config.trainer
     planned_kv = plan.setup.engine and not e.gpu_memory_utilization and not e.kv_cache_tokens
+    lora = config.lora
+    if lora.enabled and lora.lora_engine == "auto" and plan.setup.engine:  # plan_for's choice (servers keep auto: their own rule)
+        lora = dataclasses.replace(lora, lora_engine="shared" if plan.setup.engine_shares_base else "merged")
     return dataclasses.replace(
         config,
+        lora=lora,
         generation=dataclasses.replace(config.generation, sleep_level=levers.sleep_level),
         offload=dataclasses.replace(config.offload, offload_optimizer=levers.offload_optimizer, offload_model=levers.offload_model,
                                     cpu_optimizer=levers.cpu_optimizer),

@@ -158,10 +158,13 @@ class LoraConfig:
     lora_engine: Literal["auto", "shared", "merged"] = "auto"
     """How a colocated engine serves the LoRA policy. shared: from the trainer's own frozen base tensors, the
     adapters applied beside them (one copy of the base on the GPU; each sync moves only the adapters);
-    merged: from a copy of its own with the adapters merged in (each sync moves the adapted weights). auto:
-    shared where it can be (the engine on the trainer's device, one process, --tensor_parallel_size 1, a
-    dense model, no --offload_model), else merged. With rollout servers, auto and shared push only the
-    adapters after the first update where every server applies them (tandem rollout --max_lora_rank)."""
+    merged: from a copy of its own with the adapters merged in (each sync moves the adapted weights; it
+    generates faster, without the adapters' extra matmuls). auto, on a GPU: merged where the memory plan has
+    room for the copy at no other cost (the same levers, KV cache and micro-batch), else shared where it can
+    be (the engine on the trainer's device, one process, --tensor_parallel_size 1, a dense model, no
+    --offload_model); without a plan (CPU) shared where it can be. The banner's plan says which. With
+    rollout servers, auto and shared push only the adapters after the first update where every server
+    applies them (tandem rollout --max_lora_rank)."""
     lora_save_merged: bool = False
     """Checkpoints hold the adapter (peft format); also write the merged model, loadable by transformers as
     is, to checkpoint-N/merged."""

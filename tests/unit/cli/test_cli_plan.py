@@ -10,7 +10,7 @@ import pytest
 from tandemrl.cli.main import main
 from tandemrl.cli.plan import memory_setup, plan_for, with_plan
 from tandemrl.cli.train import parse
-from tandemrl.memory import GiB
+from tandemrl.memory import GiB, MemoryPlanError
 from tandemrl.pipeline.loop import memory_line
 from tandemrl.train.config import OffloadConfig
 
@@ -91,9 +91,9 @@ def test_the_tiny_default_plans_on_a_gpu_without_levers():
 
 
 def test_lora_7b_served_beside_the_trainers_base_plans_one_copy_of_it(seven_b):
-    """--lora_engine auto (the default) on one GPU: the engine holds only its adapters, so each phase's peak
-    is a bf16 base (15.2 GB for 7.6B parameters) lower than with the engine's own merged copy."""
-    shared, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16"])
+    """--lora_engine shared on one GPU: the engine holds only its adapters, so each phase's peak is a bf16
+    base (15.2 GB for 7.6B parameters) lower than with the engine's own merged copy."""
+    shared, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--lora_engine", "shared"])
     merged, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--lora_engine", "merged"])
     a, b = plan_for(shared, int(139.8 * GiB)), plan_for(merged, int(139.8 * GiB))
     assert a.setup.engine_shares_base and not b.setup.engine_shares_base
@@ -101,6 +101,26 @@ def test_lora_7b_served_beside_the_trainers_base_plans_one_copy_of_it(seven_b):
     for phase in ("generation", "training"):
         assert 14 * GiB < b.peak(phase) - a.peak(phase) < 15 * GiB
     assert "offload_model" in memory_setup(shared).frozen_levers  # the engine generates from the base: it stays on the GPU
+
+
+@pytest.mark.parametrize("gpu_gib, form", [(139.8, "merged"), (39.5, "merged"), (23.6, "shared")])
+def test_lora_engine_auto_keeps_a_merged_copy_where_memory_is_spare(seven_b, gpu_gib, form):
+    """auto: the merged copy (faster generation) where it costs no lever, KV or micro-batch; else the shared
+    base. The choice reaches the config the build reads, and the banner's plan names it."""
+    config, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16"])
+    plan = plan_for(config, int(gpu_gib * GiB))  # this workload on 24 GB: ~20 GiB shared, ~36 merged
+    assert plan.setup.engine_shares_base == (form == "shared")
+    chosen = with_plan(config, plan)
+    assert chosen.lora.lora_engine == form and chosen.lora_engine_shares_base() == (form == "shared")
+    assert ("beside the trainer's base" if form == "shared" else "merged copy") in plan.lines()[0]
+    if form == "shared":  # the merged copy would have cost something here: a lever, KV, micro-batch, or it does not fit
+        try:
+            merged = plan_for(dataclasses.replace(config, lora=dataclasses.replace(config.lora, lora_engine="merged")), int(gpu_gib * GiB))
+        except MemoryPlanError:
+            merged = None
+        assert merged is None or (merged.levers, merged.kv_tokens, merged.microbatch_tokens) != (plan.levers, plan.kv_tokens, plan.microbatch_tokens)
+    servers, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--rollout_mode", "server", "--rollout_server_urls", "http://h:1"])
+    assert with_plan(servers, plan_for(servers, int(gpu_gib * GiB))).lora.lora_engine == "auto"  # servers: adapter-only pushes stay on
 
 
 def test_the_lora_engine_rule_says_why_shared_cannot_be():

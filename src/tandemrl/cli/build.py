@@ -18,7 +18,7 @@ import torch
 
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
-from tandemrl.cli.plan import gpu_bytes, memory_setup, model_config, planned_peaks_gib, with_plan
+from tandemrl.cli.plan import gpu_bytes, memory_setup, model_config, plan_run, planned_peaks_gib, with_plan
 from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
 from tandemrl.config import TrainConfig
 from tandemrl.data.cursor import PromptCursor
@@ -26,7 +26,7 @@ from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
 from tandemrl.generation.factory import build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from tandemrl.memory import ModelShape, plan_memory
+from tandemrl.memory import ModelShape
 from tandemrl.pipeline.loop import publish_policy, run_loop
 from tandemrl.pipeline.parts import EvalSet, LoopParts
 from tandemrl.pipeline.settings import LoopSettings
@@ -138,7 +138,7 @@ def _memory_plan(config: TrainConfig, device: torch.device, num_ranks: int) -> A
     except ValueError as error:  # a family the arithmetic does not describe: the engine sizes itself as before
         log.warning("%s; the KV cache comes from --gpu_memory_utilization and no lever is turned on", error)
         return None
-    return plan_memory(shape, memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes=gpu_bytes(device))
+    return plan_run(config, shape, memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes(device))
 
 
 def _logger(config: TrainConfig, run_dir: Path, start_step: int) -> Any:

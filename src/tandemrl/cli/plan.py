@@ -71,7 +71,11 @@ def plan_for(config: TrainConfig, gpu_bytes: int, *, hf_config: Any = None, num_
     it shares the base (one copy of it on the GPU). Example: 7B LoRA r16 on a 141 GB GPU -> merged, on 48 GB
     -> shared. with_plan() writes the choice into the config the build reads."""
     hf_config = hf_config if hf_config is not None else model_config(config)
-    shape, setup = ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config)
+    return plan_run(config, ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes)
+
+
+def plan_run(config: TrainConfig, shape: ModelShape, setup: Setup, gpu_bytes: int) -> MemoryPlan:
+    """plan_for's plan from the model's shape and the run's setup (the build's entry: it reads the shape itself)."""
     plan = plan_memory(shape, setup, gpu_bytes=gpu_bytes)
     if not (setup.engine_shares_base and config.lora.lora_engine == "auto"):
         return plan

@@ -104,7 +104,7 @@ def test_lora_7b_served_beside_the_trainers_base_plans_one_copy_of_it(seven_b):
 
 
 @pytest.mark.parametrize("gpu_gib, form", [(139.8, "merged"), (39.5, "merged"), (23.6, "shared")])
-def test_lora_engine_auto_keeps_a_merged_copy_where_memory_is_spare(seven_b, gpu_gib, form):
+def test_lora_engine_auto_keeps_a_merged_copy_where_memory_is_spare(seven_b, gpu_gib, form, monkeypatch):
     """auto: the merged copy (faster generation) where it costs no lever, KV or micro-batch; else the shared
     base. The choice reaches the config the build reads, and the banner's plan names it."""
     config, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16"])
@@ -119,6 +119,12 @@ def test_lora_engine_auto_keeps_a_merged_copy_where_memory_is_spare(seven_b, gpu
         except MemoryPlanError:
             merged = None
         assert merged is None or (merged.levers, merged.kv_tokens, merged.microbatch_tokens) != (plan.levers, plan.kv_tokens, plan.microbatch_tokens)
+    import torch
+
+    from tandemrl.cli import build
+
+    monkeypatch.setattr(build, "gpu_bytes", lambda device: int(gpu_gib * GiB))  # the plan `tandem train` makes (no GPU touched)
+    assert build._memory_plan(config, torch.device("cuda"), 1).setup.engine_shares_base == (form == "shared")
     servers, _ = parse(["--model", seven_b, *WORKLOAD, "--lora_r", "16", "--rollout_mode", "server", "--rollout_server_urls", "http://h:1"])
     assert with_plan(servers, plan_for(servers, int(gpu_gib * GiB))).lora.lora_engine == "auto"  # servers: adapter-only pushes stay on
 

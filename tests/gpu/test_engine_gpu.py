@@ -368,6 +368,10 @@ def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
     gate_up = torch.randn(37, 2 * 1500, device="cuda", dtype=dtype) * 3
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(silu_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    from tandemrl.generation.engine.layers.activation import gated
+
+    expected = (F.gelu(gate, approximate="tanh") * up).float()  # Gemma 2/3's MLP
+    assert torch.allclose(gated(gate_up, "gelu_tanh").float(), expected, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @cuda

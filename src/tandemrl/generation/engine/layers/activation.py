@@ -1,5 +1,6 @@
-"""Triton fused silu(gate) * up of the MLP. Imported only on CUDA; models/llama.py holds the torch path
-and tests/gpu checks one against the other."""
+"""Triton fused act(gate) * up of the MLP, act silu (Llama, Qwen, Mistral, Phi-3, OLMo 2, SmolLM3) or tanh-GELU
+(Gemma 2/3): one pass over [gate | up] instead of three (activation, then product). Imported only on CUDA;
+models/llama.py holds the torch path and tests/gpu checks one against the other."""
 
 from __future__ import annotations
 
@@ -8,25 +9,42 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
-    # one block of one row of x = [gate | up]: silu(gate) rounded to the activation dtype (as torch), times up
+def _gated_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    # one block of one row of x = [gate | up]: act(gate) in float32 rounded to the activation dtype (as torch
+    # computes F.silu / F.gelu of a 16-bit tensor), times up, rounded
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = col < I
     gate = tl.load(x_ptr + row * stride_x + col, mask=valid, other=0.0)
     up = tl.load(x_ptr + row * stride_x + I + col, mask=valid, other=0.0)
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + col, (silu * up.to(tl.float32)).to(gate.dtype), mask=valid)
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (1 + e^2z) (tl has no tanh)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + col, (act * up.to(tl.float32)).to(gate.dtype), mask=valid)
 
 
-def silu_mul(x: Tensor) -> Tensor:
-    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], one pass."""
+def gated(x: Tensor, activation: str = "silu") -> Tensor:
+    """x [N, 2I] = [gate | up] -> act(gate) * up [N, I], one pass; activation "silu" or "gelu_tanh"."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"no fused kernel for activation {activation!r}; one of {ACTIVATIONS}")
     rows, width = x.shape
     half = width // 2
     out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, x.stride(0), out.stride(0), half, BLOCK=block, num_warps=4)
+    _gated_kernel[(rows, triton.cdiv(half, block))](
+        x, out, x.stride(0), out.stride(0), half, BLOCK=block, GELU=activation == "gelu_tanh", num_warps=4
+    )  # fmt: skip
     return out
+
+
+def silu_mul(x: Tensor) -> Tensor:
+    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], one pass."""
+    return gated(x, "silu")

@@ -135,10 +135,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if x.is_cuda and self.activation == "silu":
-            from tandemrl.generation.engine.layers.activation import silu_mul
+        if x.is_cuda:  # one fused pass: act(gate) * up
+            from tandemrl.generation.engine.layers.activation import gated
 
-            return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
+            return self.down_proj(gated(gate_up.view(-1, gate_up.shape[-1]), self.activation).view(*x.shape[:-1], -1))
         gate, up = gate_up.chunk(2, dim=-1)
         gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(gate * up)

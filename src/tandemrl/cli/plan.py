@@ -68,8 +68,8 @@ def plan_for(config: TrainConfig, gpu_bytes: int, *, hf_config: Any = None, num_
     LoRA under --lora_engine auto, where the engine could serve beside the trainer's base: the engine keeps a
     merged copy of its own when that costs nothing but memory the plan has spare (the same levers, KV cache
     and micro-batch as sharing the base), since it then generates without the adapters' extra matmuls; else
-    it shares the base (one copy of it on the GPU). Example: 7B LoRA r16 on a 141 GB GPU -> merged, on 48 GB
-    -> shared. with_plan() writes the choice into the config the build reads."""
+    it shares the base (one copy of it on the GPU). Example: 7B LoRA r16, 16 x 8 x (128 + 256) tokens: on a 141 or a
+    40 GB GPU -> merged (~36 GiB at the default micro-batch), on 24 GB -> shared (~20 GiB). with_plan() writes the choice into the config the build reads."""
     hf_config = hf_config if hf_config is not None else model_config(config)
     return plan_run(config, ModelShape.from_hf_config(hf_config), memory_setup(config, num_ranks=num_ranks, hf_config=hf_config), gpu_bytes)
 

@@ -104,8 +104,9 @@ def gated_down(x: Tensor, weight: Tensor, activation: str = "silu", *, block_m: 
                split_k: int = 0, num_warps: int = 4, num_stages: int = 3) -> Tensor:  # fmt: skip
     """x [M, 2I] = [gate | up], weight [N, I] -> (act(gate) * up) @ weight.T [M, N] in one kernel (no [M, I]
     intermediate, no separate reduce). split_k 0: enough K splits for ~2 programs a multiprocessor. The
-    per-tile counters live across calls (zeroed once, reset by the kernel); the first call must not be
-    under CUDA graph capture."""
+    per-tile counters live across calls (zeroed once, reset by the kernel), one set a device: calls on two
+    streams at once (two engines on one GPU) would share them, so wiring this into the engine needs a set per
+    engine; the first call must not be under CUDA graph capture."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"no fused kernel for activation {activation!r}; one of {ACTIVATIONS}")
     m, width = x.shape

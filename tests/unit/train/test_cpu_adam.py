@@ -23,6 +23,17 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) * (1 + step) for p in params]
 
 
+def _step_both(ours, theirs, cpu, reference, step: int, *, compare: bool = True) -> None:
+    """The same gradients to both, one step of each; with `compare`, the weights equal (1e-6) after it."""
+    for a, b, grad in zip(ours, theirs, _grads(ours, step)):
+        a.grad, b.grad = grad.clone(), grad.clone()
+    cpu.step()
+    reference.step()
+    if compare:
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("compute", FORMS)
 @pytest.mark.parametrize("chunk_numel", [1, 7, 1000])  # chunks that split parameters, and one for all
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -33,12 +44,7 @@ def test_equals_adamw_over_several_steps(compute, chunk_numel, weight_decay):
     assert cpu.compute == compute
     reference = torch.optim.AdamW(theirs, **options)
     for step in range(6):
-        for a, b, grad in zip(ours, theirs, _grads(ours, step)):
-            a.grad, b.grad = grad.clone(), grad.clone()
-        cpu.step()
-        reference.step()
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        _step_both(ours, theirs, cpu, reference, step)
     for a, b in zip(ours, theirs):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(cpu.state[a][key], reference.state[b][key], atol=1e-6, rtol=0)
@@ -75,10 +81,7 @@ def test_learning_rate_schedule_reaches_it(compute):
     cpu, reference = CpuAdamW(ours, lr=1e-2, compute=compute), torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)) for o in (cpu, reference)]
     for step in range(3):
-        for a, b, grad in zip(ours, theirs, _grads(ours, step)):
-            a.grad, b.grad = grad.clone(), grad.clone()
-        cpu.step()
-        reference.step()
+        _step_both(ours, theirs, cpu, reference, step, compare=False)
         for s in schedules:
             s.step()
     for a, b in zip(ours, theirs):
@@ -103,12 +106,7 @@ def test_resumes_from_an_adamw_state_dict(compute):
     again.load_state_dict(cpu.state_dict())  # its own state_dict round-trips too
     assert torch.equal(again.state[again.params[0]]["exp_avg"], cpu.state[ours[0]]["exp_avg"])
     for step in range(2, 5):
-        for a, b, grad in zip(ours, theirs, _grads(ours, step)):
-            a.grad, b.grad = grad.clone(), grad.clone()
-        cpu.step()
-        reference.step()
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        _step_both(ours, theirs, cpu, reference, step)
 
 
 def test_state_dict_round_trips_between_the_forms_and_adamw():

@@ -249,7 +249,13 @@ def main() -> None:
     start = time.perf_counter()
     if "generate" in parts:
         for name in families:
-            bench_generate(name, args)
+            if len(families) > 1 and not args.smoke:
+                # a process per family: what one family's engine and transformers leave in the CUDA context (its
+                # graphs' pools, allocator caches) must not shrink the next one's memory (an OOM on Dec 3)
+                child = [sys.executable, __file__, *sys.argv[1:], "--parts", "generate", "--families", name]
+                subprocess.run(child, check=False)
+            else:
+                bench_generate(name, args)
     if "train" in parts:
         work = Path(tempfile.mkdtemp(prefix="tandem-families-"))
         (work / "reward.py").write_text(REWARD)

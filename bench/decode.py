@@ -11,12 +11,6 @@ reference (a full sort), with the filtered/unfiltered ratio.
 
     python bench/decode.py --sweep
     python bench/decode.py --only sampler
-    python bench/decode.py --only mlp
-
-MLP (a candidate, not yet in the engine): the decode step's act(gate) * up and down projection at 128 and 512
-rows, as the engine runs them (the fused activation kernel, then F.linear: cuBLAS) against one kernel that
-computes the activation as it loads it and reduces its K splits itself (layers/activation.py's gated_down),
-each launch setting of a small sweep timed and checked against the engine's output; one ratio line per shape.
 """
 
 from __future__ import annotations
@@ -146,46 +140,6 @@ def sampler(args) -> None:
             print(json.dumps({"sampler_sweep": True, "tile": tile, "num_warps": warps, "ms": round(ms, 4)}), flush=True)
 
 
-MLP_SHAPES = {"0.5b": (4864, 896), "1.5b": (8960, 1536), "7b": (18944, 3584)}  # intermediate, hidden
-
-
-def mlp(args, bandwidth: float) -> None:
-    import torch.nn.functional as F
-
-    from tandemrl.generation.engine.layers.activation import gated, gated_down
-
-    for shape, rows in itertools.product(args.models.split(","), (128, 512)):
-        inner, hidden = MLP_SHAPES[shape]
-        x = torch.randn(rows, 2 * inner, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(hidden, inner, device="cuda", dtype=torch.bfloat16) / inner**0.5
-        reference = F.linear(gated(x), w).float()
-        engine_ms = do_bench(lambda: F.linear(gated(x), w), warmup=20, rep=100, return_mode="median")
-        num_bytes = (x.numel() + w.numel() + rows * hidden) * 2
-        best = None
-        for bm, bn, bk, mult, warps, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (0.5, 1, 2), (4,), (3, 4)):
-            if bm * bk * 2 * 2 * stages + bn * bk * 2 * stages > 200_000:  # shared memory a stage: skip what cannot fit
-                continue
-            tiles = -(-rows // bm) * -(-hidden // bn)
-            split = max(1, min(int(mult * 2 * 132 / tiles + 0.5), inner // (2 * bk)))
-            setting = dict(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
-            try:
-                out = gated_down(x, w, **setting).float()
-                ms = do_bench(lambda: gated_down(x, w, **setting), warmup=10, rep=50, return_mode="median")
-            except Exception as exc:  # noqa: BLE001 - a setting that does not compile is skipped
-                print(json.dumps({"mlp_sweep": shape, "rows": rows, **setting, "error": repr(exc)[:100]}), flush=True)
-                continue
-            error = ((out - reference).norm() / reference.norm()).item()
-            if error < 2e-2 and (best is None or ms < best[0]):
-                best = (ms, setting, error)
-        row = {"mlp": shape, "rows": rows, "engine_ms": round(engine_ms, 4), "engine_fraction_of_bandwidth": round(num_bytes / (engine_ms / 1e3) / bandwidth, 3)}
-        if best is not None:
-            row |= {"fused_ms": round(best[0], 4), "fused_fraction_of_bandwidth": round(num_bytes / (best[0] / 1e3) / bandwidth, 3),
-                    "fused_error": round(best[2], 5), **best[1]}  # fmt: skip
-        print(json.dumps(row), flush=True)
-        if best is not None:
-            print(f"ratio mlp {shape} rows={rows}: engine (gated + cuBLAS) / fused = {engine_ms / best[0]:.2f}x", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="attention,sampler")
@@ -196,8 +150,6 @@ def main() -> None:
     print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "device": torch.cuda.get_device_name()}), flush=True)
     if "attention" in args.only:
         attention(args, bandwidth)
-    if "mlp" in args.only:
-        mlp(args, bandwidth)
     if "sampler" in args.only:
         sampler(args)
 

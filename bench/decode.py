@@ -107,7 +107,7 @@ def attention(args, bandwidth: float) -> None:
 
 def sampler(args) -> None:
     from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
-    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_filtered_search, sample_unfiltered
 
     vocab = 151936
     for rows, scale in itertools.product((128, 256, 512), (0.5, 3.0)):  # flat logits (random weights) and peaked ones
@@ -127,10 +127,18 @@ def sampler(args) -> None:
             ms = do_bench(call, warmup=10, rep=100, return_mode="median")
             row[f"{name}_ms"], row[f"{name}_same_ids"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4)
             row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+            # the second form (sample_filtered_search: int32 keys, count-only top-k rounds, a bracket's list)
+            search = lambda: sample_filtered_search(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)  # noqa: E731
+            search_ids, _, search_floors = search()
+            row[f"{name}_search_ms"] = round(do_bench(search, warmup=10, rep=100, return_mode="median"), 4)
+            row[f"{name}_search_same_ids"] = round((search_ids == ref_ids).float().mean().item(), 4)
+            row[f"{name}_search_same_floors"] = round(torch.isclose(search_floors, ref_floors, atol=1e-4).float().mean().item(), 4)
             if name == "top_p=0.9":
                 row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
         print(json.dumps(row), flush=True)
         print(f"ratio sampler rows={rows} scale={scale}: top_p=0.9 {row['top_p=0.9_ms'] / unfiltered:.2f}x unfiltered, torch sort {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)
+        for name in ("top_p=0.9", "top_k=50", "top_k=50,top_p=0.9"):
+            print(f"ratio sampler rows={rows} scale={scale} {name}: first form / search form = {row[f'{name}_ms'] / row[f'{name}_search_ms']:.2f}x", flush=True)
     if args.sweep:  # the filtered kernel's tile and warps at 256 flat rows, top_p 0.9
         logits = (torch.randn(256, vocab, device="cuda") * 0.5).to(torch.bfloat16)
         ones, keys = torch.ones(256, device="cuda"), row_keys(torch.arange(256, device="cuda"), torch.full((256,), 5, device="cuda"))

@@ -86,8 +86,11 @@ def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_hea
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype):
-    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
+@pytest.mark.parametrize("form", ["first", "search"])
+def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype, form):
+    from tandemrl.generation.engine.layers import sampler_kernel
+
+    sample_filtered = sampler_kernel.sample_filtered if form == "first" else sampler_kernel.sample_filtered_search
 
     torch.manual_seed(4)
     batch, vocab = 48, 151936

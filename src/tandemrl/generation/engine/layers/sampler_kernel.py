@@ -263,3 +263,209 @@ def sample_filtered(
         logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors
+
+
+# --- the filtered sampler, second form: fewer and narrower passes (a candidate; bench/decode.py --only sampler times both)
+
+
+@triton.jit
+def _key32(x, SHIFT: tl.constexpr):
+    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped), SHIFT low bits
+    # dropped (16 for bf16 logits); int32 throughout: a pass's integer work is half _order_key's
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
+
+
+@triton.jit
+def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr, MASS: tl.constexpr):
+    # (count, sum of exp((x - top) / T)) of src[0:n] whose key is >= threshold (an int32 within the keys'
+    # range); the sum only when MASS (a top-k round counts, no exp)
+    count = tl.zeros([TILE], tl.int32)
+    mass = tl.zeros([TILE], tl.float32)
+    for start in range(0, n, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(src_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32)
+        above = (_key32(x, SHIFT) >= threshold) & (v < n)
+        count += above.to(tl.int32)
+        if MASS:
+            mass += tl.where(above, tl.exp((x - top) * inv_temp), 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
+
+
+@triton.jit
+def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; their count
+    n = tl.sum(tl.zeros([TILE], tl.int32), 0)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        key = _key32(x, SHIFT)
+        inside = (key >= lo) & (key <= hi) & (v < V)
+        at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
+        tl.store(list_ptr + at, x, mask=inside)
+        n += tl.sum(inside.to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _search(
+    row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, goal, top, inv_temp,
+    CAPACITY: tl.constexpr, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    # bisection for the largest key t in [lo, hi] whose F(t) = (count, mass of keys >= t) reaches goal (a count
+    # when not BY_MASS, else a mass); F(lo) reaches it, F(hi + 1) = (above_count, above_mass); lo_raw: how many
+    # keys are >= lo (lo_count may be less: top-k's share of a tie). Once the keys inside [lo, hi] fit in
+    # CAPACITY they are copied out in one pass, and later rounds read that list, not the row: F(t) = F at
+    # the copy's hi + 1 (base) + the list's part.
+    listed = lo_raw * 0
+    n = lo_raw * 0
+    base_count = above_count
+    base_mass = above_mass
+    while lo < hi:
+        if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
+            n = _compact(row_ptr, V, lo.to(tl.int32), hi.to(tl.int32), list_ptr, SHIFT, TILE)
+            listed = n * 0 + 1
+            base_count, base_mass = above_count, above_mass
+        mid = lo + (hi - lo + 1) // 2
+        if listed == 1:
+            count, mass = _sums_from(list_ptr, n, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
+            count, mass = count + base_count, mass + base_mass
+        else:
+            count, mass = _sums_from(row_ptr, V, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
+        if BY_MASS:
+            reached = mass >= goal
+        else:
+            reached = count >= goal
+        if reached:
+            lo, lo_raw, lo_count, lo_mass = mid, count, count, mass
+        else:
+            hi, above_count, above_mass = mid - 1, count, mass
+    return lo, lo_raw, lo_count, lo_mass, above_count, above_mass
+
+
+@triton.jit
+def _sample_filtered_search_kernel(
+    logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
+    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    # _sample_filtered_kernel's thresholds, tokens, logprobs and floors with less work a row: int32 keys; the
+    # row's total mass only where top-p needs it; top-k's rounds count without exp (the masses at its
+    # threshold in one pass after, where top-p follows); each search reads a list of the keys left inside its
+    # bracket once they fit in CAPACITY (top-p after top-k: the top k, from its first round) instead of the row
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row * stride_b
+    list_ptr = lists_ptr + row * CAPACITY
+    temp = tl.load(temps_ptr + row)
+    greedy = temp == 0.0
+    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
+    run_max = tl.full([TILE], float("-inf"), tl.float32)
+    key_min = tl.full([TILE], 2**31 - 1, tl.int32)
+    key_max = tl.full([TILE], -(2**31), tl.int32)
+    for start in range(0, V, TILE):  # pass 1: the largest logit, the smallest and largest keys
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        key = _key32(x, SHIFT)
+        run_max = tl.maximum(run_max, x)
+        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**31 - 1))
+        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**31)))
+    top = tl.max(run_max, 0)
+    lo = tl.min(key_min, 0).to(tl.int64)
+    hi = tl.max(key_max, 0).to(tl.int64)
+    key_top = hi
+    lo_count = (V * 0 + V).to(tl.int32)  # F(lo): every logit
+    lo_raw = lo_count
+    lo_mass = tl.sum(tl.zeros([TILE], tl.float32), 0)
+    above_count = lo_count * 0
+    above_mass = lo_mass
+    use_k = (top_k < V) & (temp != 0.0)
+    use_p = (top_p < 1.0) & (temp != 0.0)
+    if use_p & (top_k >= V):  # top-p alone: F(lo) is the whole row's mass
+        _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+    if use_k:  # the largest key with at least top_k logits at or above it
+        lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
+            row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp,
+            CAPACITY, False, SHIFT, TILE,
+        )  # fmt: skip
+        if use_p:  # the masses at and above the threshold, which top-p's target needs
+            _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+            if lo < key_top:
+                _, above_mass = _sums_from(row_ptr, V, (lo + 1).to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+            else:
+                above_mass = lo_mass * 0.0
+        # tied logits at lo past the top_k-th are dropped: F(lo) counts top_k of them
+        lo_mass = above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
+        lo_count = top_k.to(tl.int32)
+    if use_p:  # the largest key whose logits at or above it reach top_p of the mass
+        target = top_p * lo_mass
+        lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
+            row_ptr, list_ptr, V, lo, key_top, lo_raw, lo_count, lo_mass, above_count * 0, above_mass * 0.0, target, top, inv_temp,
+            CAPACITY, True, SHIFT, TILE,
+        )  # fmt: skip
+        tied = lo_count - above_count
+        each = (lo_mass - above_mass) / tied
+        # the j-th tied logit stays while the mass before it is under the target
+        lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
+    keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
+    lo32 = lo.to(tl.int32)
+    # last pass: min-p, then Gumbel-max among the kept, their mass, the lowest kept and highest excluded logit
+    key_seed = tl.load(keys_ptr + row).to(tl.uint32)
+    tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
+    kept_mass = tl.zeros([TILE], tl.float32)
+    kept_min = tl.full([TILE], float("inf"), tl.float32)
+    excluded_max = tl.full([TILE], float("-inf"), tl.float32)
+    best_score = tl.full([TILE], float("-inf"), tl.float32)
+    best_z = tl.full([TILE], float("-inf"), tl.float32)
+    best_index = tl.full([TILE], -1, tl.int32)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        valid = v < V
+        x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
+        key = _key32(x, SHIFT)
+        z = (x - top) * inv_temp
+        e = tl.exp(z)
+        tie = (key == lo32) & valid
+        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+        tied_before += tl.sum(tie.to(tl.int32), 0)
+        keep = valid & ((key > lo32) | (tie & (rank < keep_tied))) & (e >= min_p)
+        kept_mass += tl.where(keep, e, 0.0)
+        kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
+        excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
+        bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
+        score = tl.where(keep, z + noise, float("-inf"))
+        better = score > best_score
+        best_score = tl.where(better, score, best_score)
+        best_z = tl.where(better, z, best_z)
+        best_index = tl.where(better, v, best_index)
+    best = tl.max(best_score, 0)
+    index = tl.min(tl.where(best_score == best, best_index, V), 0)
+    z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
+    tl.store(tokens_ptr + row, index.to(tl.int64))
+    tl.store(logprobs_ptr + row, z - tl.log(tl.sum(kept_mass, 0)))
+    low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
+    filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
+    tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
+
+
+def sample_filtered_search(
+    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 4096, tile: int = 2048,
+    num_warps: int = 16,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`sample_filtered`'s results (the same tokens, logprobs and floors) with less work a row: see
+    `_sample_filtered_search_kernel`. capacity: how many logits a row's bracket may hold to be searched from a
+    list (float32 scratch of [B, capacity]); 0: never, every round reads the row."""
+    batch, vocab_size = logits.shape
+    shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    floors = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
+    _sample_filtered_search_kernel[(batch,)](
+        logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
+        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, num_warps=num_warps,
+    )  # fmt: skip
+    return tokens, logprobs, floors

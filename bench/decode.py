@@ -6,8 +6,9 @@ read, and their ratio to the measured copy bandwidth. `--sweep` first times ever
 warps, stages, programs per SM -> splits) at two sizes, then the best few and the old kernel's setting
 (one program per sequence and KV head: splits 1, tile 64, 4 warps, 3 stages) at every size, each
 checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
-Gumbel-max kernel), filtered (the threshold-search kernel) with top_p / top_k / min_p, and the torch
-reference (a full sort), with the filtered/unfiltered ratio.
+Gumbel-max kernel), filtered (the threshold-search kernel, and its second form `sample_filtered_search`:
+each checked against the torch sampler, with the ratio of the two forms) with top_p / top_k / min_p, and the
+torch reference (a full sort), with the filtered/unfiltered ratio.
 
     python bench/decode.py --sweep
     python bench/decode.py --only sampler

@@ -151,7 +151,8 @@ def workload_floor(model, prompts: int, prompt_len: int, new_tokens: int, bandwi
     """The fastest any engine running a model's kernels one after another could do the workload: the prefill
     compute-bound (the head on each prompt's last token only); each decode step's matmuls at the larger of
     their FLOPs at `flop_rate` and their weights read once at `bandwidth`, plus every sequence's KV read once
-    (the contexts here, <= 1,152, lie within every family's sliding window). Returns the floor and its split
+    (each workload's contexts lie within its family's sliding window: at most 384 tokens at 512 x 256,
+    1,152 for Mistral's window of 4,096). Returns the floor and its split
     in seconds; `transformers_s / floor_s` is the most any engine can be faster than transformers here."""
     config = model.config
     head = config.vocab_size * config.hidden_size

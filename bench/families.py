@@ -148,7 +148,7 @@ def engine_generate(engine, prompts: list[list[int]], new_tokens: int, *, greedy
 
 
 def workload_floor(model, prompts: int, prompt_len: int, new_tokens: int, bandwidth: float, flop_rate: float) -> dict:
-    """The fastest any engine running a model's kernels one after another could do the workload: the prefill
+    """The fastest any engine running a model's bf16 kernels one after another could do the workload: the prefill
     compute-bound (the head on each prompt's last token only); each decode step's matmuls at the larger of
     their FLOPs at `flop_rate` and their weights read once at `bandwidth`, plus every sequence's KV read once
     (each workload's contexts lie within its family's sliding window: at most 384 tokens at 512 x 256,

@@ -7,7 +7,7 @@ transformers') run the same workload, each after an untimed call of it (--warm f
 tokens, or 128 x 1024 for the 7B (128-token prompts, ignore EOS, temperature 1). One JSON line per system,
 one ratio line per family ("ours vs transformers generate", the issue's bar: >= 4x), one line with the
 workload's floor (`workload_floor`, at the copy bandwidth and matmul rate measured in the run): how near it
-ours runs, and the most any engine could beat transformers by on this workload. Then greedy
+ours runs, and the most a bf16 engine could beat transformers by on this workload. Then greedy
 bf16 agreement: --agree_prompts prompts x --agree_tokens tokens greedy from both, how many sequences are
 identical and the mean length of their common prefix (bf16 near-ties make some diverge).
 
@@ -192,7 +192,7 @@ def bench_generate(name: str, args) -> None:
     stats = {k: round(v, 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if hasattr(engine, "stats") else {}
     print(json.dumps({"family": name, "system": "ours", "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(ours_s, 2), "tokens_per_s": round(ours_tps, 1), **stats}), flush=True)  # fmt: skip
     print(f"{name}: ours vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {ours_tps / hf_tps:.2f}x", flush=True)
-    if DEVICE == "cuda":  # how near the floor ours runs, and the most any engine could beat transformers by here
+    if DEVICE == "cuda":  # how near the floor ours runs, and the most a bf16 engine could beat transformers by here
         from engine import copy_bandwidth, matmul_rate  # bench/engine.py
 
         bandwidth, flop_rate = copy_bandwidth(), matmul_rate()
@@ -263,6 +263,7 @@ def main() -> None:
     parser.add_argument("--completion_tokens", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="tandem train with its compiled decoder layers (~1 min more a family)")
     parser.add_argument("--train_timeout_s", type=float, default=300)
+    parser.add_argument("--family_timeout_s", type=float, default=900, help="most seconds one family's generate part may take (its own process)")
     parser.add_argument("--warm", choices=("full", "short"), default="full", help="each side's untimed call first: the timed workload itself "
                         "(full), or a short one (short: how the figures before Dec 3's third session were measured)")
     parser.add_argument("--profile", action="store_true", help="after ours is timed, print its top device kernels from one more call")
@@ -281,7 +282,12 @@ def main() -> None:
                 # a process per family: what one family's engine and transformers leave in the CUDA context (its
                 # graphs' pools, allocator caches) must not shrink the next one's memory (an OOM on Dec 3)
                 child = [sys.executable, __file__, *sys.argv[1:], "--parts", "generate", "--families", name]
-                subprocess.run(child, check=False)
+                try:
+                    code = subprocess.run(child, check=False, timeout=args.family_timeout_s).returncode
+                except subprocess.TimeoutExpired:
+                    code = "timeout"
+                if code != 0:
+                    print(json.dumps({"family": name, "failed": code, "timeout_s": args.family_timeout_s}), flush=True)
             else:
                 bench_generate(name, args)
     if "train" in parts:

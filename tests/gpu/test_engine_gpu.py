@@ -465,3 +465,32 @@ def test_family_kernel_options_match_the_torch_path(dtype):
         qd = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
         expected = gather_attention(qd, k_cache, v_cache, decode_gather_metadata(bt, cl, torch.zeros(len(lens), dtype=torch.int64, device="cuda"), block), options)
         assert (decode_attention(qd, k_cache, v_cache, bt, cl, block, options=options).float() - expected.float()).abs().max() < tol * 10, options
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma2"])
+def test_fused_norms_candidate_gives_the_unfused_engines_tokens(tmp_path, family, monkeypatch):
+    """models/llama.py's FUSED_NORMS (each q/k head's norm inside the RoPE kernel; Gemma's two norms around
+    attention's output in one kernel) against the engine without it, bf16 under CUDA graphs: the same
+    greedy tokens but for near-ties, logprobs within bf16's rounding."""
+    from tandemrl.generation.engine.models import llama
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=2, **FAMILIES[family])
+    prompts = [list(range(3 + i, 30 + 3 * i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    outputs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(llama, "FUSED_NORMS", fused)
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=256))
+
+        async def all_requests(engine=engine):
+            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+        outputs[fused] = run(all_requests())
+        run(engine.close())
+    matches = sum(a.token_ids == b.token_ids for a, b in zip(outputs[False], outputs[True]))
+    assert matches >= len(prompts) - 1
+    for a, b in zip(outputs[False], outputs[True]):
+        if a.token_ids == b.token_ids:
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 5e-2

@@ -34,6 +34,11 @@ from tandemrl.generation.engine.parallel import Shard, TensorParallel
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LlamaForCausalLM", "unsupported_reason"]
 
+# A candidate, off until an H200 run times it (bench/RESULTS.md): on CUDA, each q/k head's RMSNorm (Qwen3,
+# Gemma 3) inside the RoPE + cache kernel instead of two norm kernels and a copy of qkv, and Gemma's norm after
+# attention and the one before the MLP in one kernel. The same arithmetic and roundings as the kernels it replaces.
+FUSED_NORMS = False
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + w). `in_float32`: the product taken in float32, then rounded (Gemma, OLMo 2);
@@ -103,7 +108,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> Tensor:
         """`ropes`: per RoPE table, (positions [N], table [P, 2, R]) on CUDA, else (cos, sin) [N, 1, R]."""
         qkv = self.qkv_proj(x)  # [N, (H + 2K) * D]
-        if hasattr(self, "q_norm"):
+        head_norm = None
+        if FUSED_NORMS and self.per_head_norm and self.rope_index >= 0 and x.is_cuda:  # normed in the RoPE kernel below
+            from tandemrl.generation.engine.layers.rope_kernel import HeadNorm
+
+            head_norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset, self.q_norm.in_float32)
+        elif hasattr(self, "q_norm"):
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
             if self.per_head_norm:
                 q, k = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1), self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
@@ -116,7 +126,9 @@ class Attention(nn.Module):
             from tandemrl.generation.engine.layers.rope_kernel import rope_and_cache_
 
             positions, table = ropes[self.rope_index]
-            rope_and_cache_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, table, meta.slot_mapping, self.k_cache, self.v_cache)
+            rope_and_cache_(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, table, meta.slot_mapping, self.k_cache, self.v_cache, head_norm
+            )  # fmt: skip
             cached = True
         elif self.rope_index >= 0:
             cos, sin = ropes[self.rope_index]
@@ -172,7 +184,13 @@ class DecoderLayer(nn.Module):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h = self.self_attn(h, ropes, meta)
         if self.norms == "sandwich":
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            if FUSED_NORMS and h.is_cuda and self.post_attention_layernorm.tp is None:  # both norms in one kernel
+                from tandemrl.generation.engine.layers.norm import rms_norm
+
+                pre, post = self.pre_feedforward_layernorm, self.post_attention_layernorm
+                h, residual = rms_norm(h, pre.weight, pre.eps, residual, offset=pre.offset, in_float32=pre.in_float32, pre_weight=post.weight)
+            else:
+                h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual

@@ -33,6 +33,11 @@ from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, Samplin
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
+# The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form, a candidate until an H200
+# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read at each filtered draw,
+# which runs outside the decode graphs.
+FILTERED_SAMPLER = "first"
+
 
 HOST = torch.device("cpu")
 
@@ -430,10 +435,11 @@ class ModelRunner:
         repetition penalty applied first; elsewhere sampler.sample."""
         if not self.is_cuda:
             return sample(logits, sampling)
-        from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+        from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_filtered_search, sample_unfiltered
 
         if sampling.penalty is not None:
             logits = penalise(logits.float(), sampling.penalty)
         if sampling.needs_filter:
-            return sample_filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
+            filtered = sample_filtered_search if FILTERED_SAMPLER == "search" else sample_filtered
+            return filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
         return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)

@@ -19,6 +19,7 @@ banner; prints seconds and the step's loss.
 
     python bench/families.py                                  # both parts, all six families (~6 min on an H200)
     python bench/families.py --parts generate --families gemma2,phi3
+    python bench/families.py --parts generate --families gemma3-4b-text --fused_norms off,on   # the FUSED_NORMS candidate, same run
     python bench/families.py --smoke                          # tiny shapes on CPU: checks the script, measures nothing
 """
 
@@ -186,16 +187,30 @@ def bench_generate(name: str, args) -> None:
     print(json.dumps({"family": name, "system": "transformers generate", "parameters_b": round(parameters_b, 2), "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(hf_s, 2), "tokens_per_s": round(hf_tps, 1)}), flush=True)  # fmt: skip
     if DEVICE == "cuda":
         torch.cuda.empty_cache()  # transformers' cache memory back, before the engine sizes its KV cache from what is free
-    engine = engine_for(model, 128 + max(new_tokens, args.agree_tokens), max(num_prompts, args.agree_prompts))
-    engine_generate(engine, prompts if args.warm == "full" else prompts[:64], new_tokens if args.warm == "full" else 16, greedy=False)  # warm alike
-    start = time.perf_counter()
-    out = engine_generate(engine, prompts, new_tokens, greedy=False)
-    ours_s = time.perf_counter() - start
-    assert sum(map(len, out)) == num_prompts * new_tokens
-    ours_tps = num_prompts * new_tokens / ours_s
-    stats = {k: round(v, 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if hasattr(engine, "stats") else {}
-    print(json.dumps({"family": name, "system": "ours", "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(ours_s, 2), "tokens_per_s": round(ours_tps, 1), **stats}), flush=True)  # fmt: skip
-    print(f"{name}: ours vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {ours_tps / hf_tps:.2f}x", flush=True)
+    from tandemrl.generation.engine.models import llama
+
+    settings, timed, engine = args.fused_norms.split(","), {}, None
+    for setting in settings:  # ours once per FUSED_NORMS setting (models/llama.py's candidate), a fresh engine each
+        if engine is not None:
+            asyncio.run(engine.close())
+            del engine
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        llama.FUSED_NORMS = setting == "on"
+        engine = engine_for(model, 128 + max(new_tokens, args.agree_tokens), max(num_prompts, args.agree_prompts))
+        engine_generate(engine, prompts if args.warm == "full" else prompts[:64], new_tokens if args.warm == "full" else 16, greedy=False)  # warm alike
+        start = time.perf_counter()
+        out = engine_generate(engine, prompts, new_tokens, greedy=False)
+        timed[setting] = time.perf_counter() - start
+        assert sum(map(len, out)) == num_prompts * new_tokens
+        tps = num_prompts * new_tokens / timed[setting]
+        stats = {k: round(v, 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if hasattr(engine, "stats") else {}
+        label = {"fused_norms": setting} if len(settings) > 1 else {}
+        print(json.dumps({"family": name, "system": "ours", **label, "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(timed[setting], 2), "tokens_per_s": round(tps, 1), **stats}), flush=True)  # fmt: skip
+        print(f"{name}: ours{'' if not label else f' (fused norms {setting})'} vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {tps / hf_tps:.2f}x", flush=True)
+    if "off" in timed and "on" in timed:
+        print(f"ratio {name} time fused norms off/on = {timed['off'] / timed['on']:.3f}", flush=True)
+    ours_s = timed[settings[0]]  # the floor's lines below: the first setting's
     if DEVICE == "cuda":  # how near the floor ours runs, and the most a bf16 engine could beat transformers by here
         from engine import copy_bandwidth, matmul_rate  # bench/engine.py
 
@@ -274,6 +289,7 @@ def main() -> None:
     parser.add_argument("--completion_tokens", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="tandem train with its compiled decoder layers (~1 min more a family)")
     parser.add_argument("--train_timeout_s", type=float, default=300)
+    parser.add_argument("--fused_norms", default="off", help="models/llama.py's FUSED_NORMS candidate, ours timed once per setting: off, on, or off,on")
     parser.add_argument("--family_timeout_s", type=float, default=900, help="most seconds one family's generate part may take (its own process)")
     parser.add_argument("--warm", choices=("full", "short"), default="full", help="each side's untimed call first: the timed workload itself "
                         "(full), or a short one (short: how the figures before Dec 3's third session were measured)")

@@ -121,6 +121,14 @@ def _order_key(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _key32(x, SHIFT: tl.constexpr):
+    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped), SHIFT low bits
+    # dropped (16 for bf16 logits); int32 throughout: a pass's integer work is half _order_key's
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
+
+
+@triton.jit
 def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= threshold: one pass
     count = tl.zeros([TILE], tl.int32)
@@ -135,6 +143,63 @@ def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr,
 
 
 @triton.jit
+def _draw_kept(
+    row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
+    SHIFT: tl.constexpr, TILE: tl.constexpr, KEY32: tl.constexpr,
+):  # fmt: skip
+    # both filtered kernels' last pass over a row, once its threshold key lo is known (the logits whose key is
+    # above lo stay, and of those whose key is lo the first keep_tied): min-p, then Gumbel-max among the kept,
+    # their mass, the lowest kept and highest excluded logit; stores the token, its logprob under the kept
+    # set and the floor. KEY32: the keys as _key32 makes them (lo within int32), else _order_key's
+    greedy = temp == 0.0
+    key_seed = tl.load(keys_ptr + row).to(tl.uint32)
+    if KEY32:
+        lo = lo.to(tl.int32)
+    tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
+    kept_mass = tl.zeros([TILE], tl.float32)
+    kept_min = tl.full([TILE], float("inf"), tl.float32)
+    excluded_max = tl.full([TILE], float("-inf"), tl.float32)
+    best_score = tl.full([TILE], float("-inf"), tl.float32)
+    best_z = tl.full([TILE], float("-inf"), tl.float32)
+    best_index = tl.full([TILE], -1, tl.int32)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        valid = v < V
+        x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
+        if KEY32:
+            key = _key32(x, SHIFT)
+        else:
+            key = _order_key(x, SHIFT)
+        z = (x - top) * inv_temp
+        e = tl.exp(z)
+        tie = (key == lo) & valid
+        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+        tied_before += tl.sum(tie.to(tl.int32), 0)
+        keep = valid & ((key > lo) | (tie & (rank < keep_tied))) & (e >= min_p)
+        kept_mass += tl.where(keep, e, 0.0)
+        kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
+        excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
+        bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
+        score = tl.where(keep, z + noise, float("-inf"))
+        better = score > best_score
+        best_score = tl.where(better, score, best_score)
+        best_z = tl.where(better, z, best_z)
+        best_index = tl.where(better, v, best_index)
+    best = tl.max(best_score, 0)
+    index = tl.min(tl.where(best_score == best, best_index, V), 0)
+    z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
+    tl.store(tokens_ptr + row, index.to(tl.int64))
+    tl.store(logprobs_ptr + row, z - tl.log(tl.sum(kept_mass, 0)))
+    # the floor (sampler.logit_floors): halfway between the lowest kept and highest excluded tempered logit;
+    # -inf where the row filters nothing, is greedy, or excludes nothing
+    low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
+    filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
+    tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
+
+
+@triton.jit
 def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
     stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr,
@@ -143,9 +208,8 @@ def _sample_filtered_kernel(
     # bisection over the keys with one pass over the row a round (no sort); then one pass draws the
     # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
     # sort would (sampler.filter_logits).
-    # (Past 60 lines, one program on purpose: the three searches and the draw share the row's max, keys and
-    # running sums in registers; the searches' passes are already _mass_at_or_above, and what is left is the
-    # per-filter arithmetic, which reads best in order. Only a GPU can show a further split costs nothing.)
+    # (One program on purpose: the searches and the draw share the row's max, keys and running sums in
+    # registers. The last pass, _draw_kept, is the second form's too.)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     temp = tl.load(temps_ptr + row)
@@ -199,47 +263,10 @@ def _sample_filtered_kernel(
         # the j-th tied logit stays while the mass before it is under the target
         lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
-    # last pass: min-p, then Gumbel-max among the kept, their mass, the lowest kept and highest excluded logit
-    key_seed = tl.load(keys_ptr + row).to(tl.uint32)
-    tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
-    kept_mass = tl.zeros([TILE], tl.float32)
-    kept_min = tl.full([TILE], float("inf"), tl.float32)
-    excluded_max = tl.full([TILE], float("-inf"), tl.float32)
-    best_score = tl.full([TILE], float("-inf"), tl.float32)
-    best_z = tl.full([TILE], float("-inf"), tl.float32)
-    best_index = tl.full([TILE], -1, tl.int32)
-    for start in range(0, V, TILE):
-        v = start + tl.arange(0, TILE)
-        valid = v < V
-        x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
-        key = _order_key(x, SHIFT)
-        z = (x - top) * inv_temp
-        e = tl.exp(z)
-        tie = (key == lo) & valid
-        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
-        tied_before += tl.sum(tie.to(tl.int32), 0)
-        keep = valid & ((key > lo) | (tie & (rank < keep_tied))) & (e >= min_p)
-        kept_mass += tl.where(keep, e, 0.0)
-        kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
-        excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
-        bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
-        score = tl.where(keep, z + noise, float("-inf"))
-        better = score > best_score
-        best_score = tl.where(better, score, best_score)
-        best_z = tl.where(better, z, best_z)
-        best_index = tl.where(better, v, best_index)
-    best = tl.max(best_score, 0)
-    index = tl.min(tl.where(best_score == best, best_index, V), 0)
-    z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
-    tl.store(tokens_ptr + row, index.to(tl.int64))
-    tl.store(logprobs_ptr + row, z - tl.log(tl.sum(kept_mass, 0)))
-    # the floor (sampler.logit_floors): halfway between the lowest kept and highest excluded tempered logit;
-    # -inf where the row filters nothing, is greedy, or excludes nothing
-    low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
-    filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
-    tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
+    _draw_kept(
+        row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
+        SHIFT, TILE, False,
+    )  # fmt: skip
 
 
 def sample_filtered(
@@ -266,14 +293,6 @@ def sample_filtered(
 
 
 # --- the filtered sampler, second form: fewer and narrower passes (a candidate; bench/decode.py --only sampler times both)
-
-
-@triton.jit
-def _key32(x, SHIFT: tl.constexpr):
-    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped), SHIFT low bits
-    # dropped (16 for bf16 logits); int32 throughout: a pass's integer work is half _order_key's
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
 
 
 @triton.jit
@@ -409,46 +428,10 @@ def _sample_filtered_search_kernel(
         # the j-th tied logit stays while the mass before it is under the target
         lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
-    lo32 = lo.to(tl.int32)
-    # last pass: min-p, then Gumbel-max among the kept, their mass, the lowest kept and highest excluded logit
-    key_seed = tl.load(keys_ptr + row).to(tl.uint32)
-    tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
-    kept_mass = tl.zeros([TILE], tl.float32)
-    kept_min = tl.full([TILE], float("inf"), tl.float32)
-    excluded_max = tl.full([TILE], float("-inf"), tl.float32)
-    best_score = tl.full([TILE], float("-inf"), tl.float32)
-    best_z = tl.full([TILE], float("-inf"), tl.float32)
-    best_index = tl.full([TILE], -1, tl.int32)
-    for start in range(0, V, TILE):
-        v = start + tl.arange(0, TILE)
-        valid = v < V
-        x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
-        key = _key32(x, SHIFT)
-        z = (x - top) * inv_temp
-        e = tl.exp(z)
-        tie = (key == lo32) & valid
-        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
-        tied_before += tl.sum(tie.to(tl.int32), 0)
-        keep = valid & ((key > lo32) | (tie & (rank < keep_tied))) & (e >= min_p)
-        kept_mass += tl.where(keep, e, 0.0)
-        kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
-        excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
-        bits = _mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF)
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        noise = tl.where(greedy, 0.0, -tl.log(-tl.log(uniform)))
-        score = tl.where(keep, z + noise, float("-inf"))
-        better = score > best_score
-        best_score = tl.where(better, score, best_score)
-        best_z = tl.where(better, z, best_z)
-        best_index = tl.where(better, v, best_index)
-    best = tl.max(best_score, 0)
-    index = tl.min(tl.where(best_score == best, best_index, V), 0)
-    z = tl.max(tl.where(best_index == index, best_z, float("-inf")), 0)
-    tl.store(tokens_ptr + row, index.to(tl.int64))
-    tl.store(logprobs_ptr + row, z - tl.log(tl.sum(kept_mass, 0)))
-    low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
-    filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
-    tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
+    _draw_kept(
+        row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
+        SHIFT, TILE, True,
+    )  # fmt: skip
 
 
 def sample_filtered_search(

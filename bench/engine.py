@@ -275,6 +275,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6, help="ours' share of the GPU (KV cache room)")
     parser.add_argument("--filtered_forms", default="first", help="the filtered sampler's kernels to run each filtered --sampling variant with: first,search (runner.FILTERED_SAMPLER)")
+    parser.add_argument("--filtered_graphs", default="off", help="decode graphs with the filtered sampler in them, for each filtered --sampling variant: off, on, or off,on (runner.FILTERED_GRAPHS)")
     args = parser.parse_args()
     variants = [{k: (int(v) if k == "top_k" else float(v)) for k, v in (kv.split("=") for kv in variant.split(",") if kv)} for variant in args.sampling.split(";")]
     args.sampling = variants[0]  # of the ctx workloads (decode steps at a context)
@@ -292,19 +293,20 @@ def main() -> None:
             num_tokens = sum(n for _, n in requests)
             max_len = max(len(p) + n for p, n in requests)
             figures = {}
-            forms = args.filtered_forms.split(",")
-            runs = [("ours", v, form) for v in variants if "ours" in systems for form in (forms if v else forms[:1])]
-            runs += [(s, {}, None) for s in systems if s != "ours"]
-            for system, sampling, form in runs:
+            forms, graphed = args.filtered_forms.split(","), args.filtered_graphs.split(",")
+            runs = [("ours", v, form, g) for v in variants if "ours" in systems for form in (forms if v else forms[:1]) for g in (graphed if v else ["off"])]
+            runs += [(s, {}, None, None) for s in systems if s != "ours"]
+            for system, sampling, form, graphs in runs:
                 try:
                     if system == "ours":
                         from tandemrl.generation.engine import runner
 
-                        runner.FILTERED_SAMPLER = form
+                        runner.FILTERED_SAMPLER, runner.FILTERED_GRAPHS = form, graphs == "on"
                         [(elapsed, split)] = run_ours(
                             model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling, memory=args.gpu_memory_utilization
                         )  # fmt: skip
                         system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items()) + (f",form={form}" if sampling and len(forms) > 1 else "")
+                        system += f",graphs={graphs}" if sampling and len(graphed) > 1 else ""
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}
                     else:
@@ -326,9 +328,10 @@ def main() -> None:
                 if system != "ours" and "ours" in figures:  # at once: a run cut short keeps its ratios
                     if system.startswith("ours,"):  # a filtered run against the unfiltered one
                         print(f"ratio {shape} {name} time {system}/ours = {figures['ours'] / figures[system]:.2f}", flush=True)
-                        if system.endswith(",form=search") and system.replace("=search", "=first") in figures:
-                            first = figures[system.replace("=search", "=first")]
-                            print(f"ratio {shape} {name} time {system.replace('=search', '=first')}/{system} = {figures[system] / first:.2f}", flush=True)
+                        for before, after in (("form=first", "form=search"), ("graphs=off", "graphs=on")):  # a candidate against its base
+                            if after in system and system.replace(after, before) in figures:
+                                base = system.replace(after, before)
+                                print(f"ratio {shape} {name} time {base}/{system} = {figures[system] / figures[base]:.2f}", flush=True)
                     else:
                         print(f"ratio {shape} {name} ours/{system} = {figures['ours'] / figures[system]:.2f}", flush=True)
         del model

@@ -494,3 +494,36 @@ def test_fused_norms_candidate_gives_the_unfused_engines_tokens(tmp_path, family
     for a, b in zip(outputs[False], outputs[True]):
         if a.token_ids == b.token_ids:
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 5e-2
+
+
+@cuda
+@pytest.mark.parametrize("form", ["first", "search"])
+def test_filtered_graphs_candidate_gives_the_eager_filtered_draws_tokens(tmp_path, form, monkeypatch):
+    """runner.FILTERED_GRAPHS (decode graphs with the filtered sampler in them) against the plain graphs and the
+    filtered draw outside them: the same tokens, logprobs and floors, bit for bit, for a batch of filtered,
+    unfiltered, greedy and penalised rows (the penalised still redrawn outside the graph)."""
+    from tandemrl.generation.engine import runner
+    from tandemrl.tasks.tiny import save_tiny
+
+    model_dir = save_tiny(str(tmp_path), seed=3)
+    prompts = [list(range(3 + i, 25 + 2 * i)) for i in range(8)]
+    params = [
+        SamplingParams(
+            max_tokens=20, temperature=0.0 if i == 0 else 1.0, top_p=0.9 if i % 2 else 1.0, top_k=20 if i % 3 == 1 else -1, min_p=0.05 if i == 4 else 0.0,
+            repetition_penalty=1.3 if i == 6 else 1.0, seed=i, ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    outputs = {}
+    monkeypatch.setattr(runner, "FILTERED_SAMPLER", form)
+    for graphed in (False, True):
+        monkeypatch.setattr(runner, "FILTERED_GRAPHS", graphed)
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=128))
+        assert bool(engine.runner.filter_graphs) == graphed
+
+        async def all_requests(engine=engine):
+            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+        outputs[graphed] = [(c.token_ids, c.logprobs, c.logit_floors) for c in run(all_requests())]
+        run(engine.close())
+    assert outputs[True] == outputs[False]

@@ -34,9 +34,13 @@ from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
 # The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form, a candidate until an H200
-# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read at each filtered draw,
-# which runs outside the decode graphs.
+# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read at each filtered draw
+# outside the decode graphs, and when FILTERED_GRAPHS captures them.
 FILTERED_SAMPLER = "first"
+# A candidate, off until an H200 times it: decode graphs captured a second time with the filtered sampler in
+# them, replayed when a batch filters (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw
+# wasted) and then the filtered kernel outside it. Read when graphs are captured.
+FILTERED_GRAPHS = False
 
 
 HOST = torch.device("cpu")
@@ -145,6 +149,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
+        self.filter_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # the same with the filtered sampler (FILTERED_GRAPHS)
         self.kv_cache: Tensor | None = None
         self.times = StepTimes()
         self.state = DecodeState(self.graph_sizes[-1], self.max_blocks_per_seq, self.vocab_size, self.device)
@@ -182,6 +187,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.graphs.clear()
+        self.filter_graphs.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
         self.prefill_graphs = None
@@ -363,9 +369,10 @@ class ModelRunner:
         if graph_size is None:
             token_ids, logprobs, logits, _, floors = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
         else:
-            graph, (token_ids, logprobs, logits, sampling, floors) = self.graphs[graph_size]
+            filtered = state.needs_filter and graph_size in self.filter_graphs
+            graph, (token_ids, logprobs, logits, sampling, floors) = (self.filter_graphs if filtered else self.graphs)[graph_size]
             graph.replay()
-            if state.needs_filter or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
+            if (state.needs_filter and not filtered) or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
                 token_ids, logprobs, floors = self._sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
                 state.input_ids[:batch].copy_(token_ids[:batch])
         state.advanced()
@@ -407,13 +414,16 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         self.state.reset()
         pool = None
-        for size in reversed(self.graph_sizes):
-            self._decode_step(size, needs_filter=False)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._decode_step(size, needs_filter=False)
-            pool = graph.pool()
-            self.graphs[size] = (graph, outputs)
+        for needs_filter, graphs in ((False, self.graphs), (True, self.filter_graphs)):
+            if needs_filter and not FILTERED_GRAPHS:
+                continue
+            for size in reversed(self.graph_sizes):
+                self._decode_step(size, needs_filter=needs_filter)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self._decode_step(size, needs_filter=needs_filter)
+                pool = graph.pool()
+                graphs[size] = (graph, outputs)
         torch.cuda.synchronize()
         self.state.reset()  # the warm-ups wrote sampled ids into the padded rows
 

@@ -199,12 +199,14 @@ def bench_generate(name: str, args) -> None:
         llama.FUSED_NORMS = setting == "on"
         engine = engine_for(model, 128 + max(new_tokens, args.agree_tokens), max(num_prompts, args.agree_prompts))
         engine_generate(engine, prompts if args.warm == "full" else prompts[:64], new_tokens if args.warm == "full" else 16, greedy=False)  # warm alike
+        before = engine.stats() if hasattr(engine, "stats") else {}
         start = time.perf_counter()
         out = engine_generate(engine, prompts, new_tokens, greedy=False)
         timed[setting] = time.perf_counter() - start
         assert sum(map(len, out)) == num_prompts * new_tokens
         tps = num_prompts * new_tokens / timed[setting]
-        stats = {k: round(v, 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if hasattr(engine, "stats") else {}
+        # the timed call's share of the engine's counters (they count from its start: the warm call too)
+        stats = {k: round(v - before.get(k, 0), 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if before else {}
         label = {"fused_norms": setting} if len(settings) > 1 else {}
         print(json.dumps({"family": name, "system": "ours", **label, "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(timed[setting], 2), "tokens_per_s": round(tps, 1), **stats}), flush=True)  # fmt: skip
         print(f"{name}: ours{'' if not label else f' (fused norms {setting})'} vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {tps / hf_tps:.2f}x", flush=True)

@@ -26,9 +26,11 @@ MAX_MICROBATCH_TOKENS = 16384
 MIN_MICROBATCH_TOKENS = 1024
 ACTIVATION_SHARE = 0.15  # of the budget: past it a larger micro-batch buys no speed, only memory
 PHASES = ("generation", "training", "sync")
-CPU_OPTIMIZER_CHUNK = 1 << 26  # train/cpu_adam.py's CHUNK_NUMEL (its cpu form's chunk)
-CPU_OPTIMIZER_GPU_CHUNK = 1 << 25  # train/cpu_adam.py's GPU_CHUNK_NUMEL (its gpu form's chunk)
-CPU_OPTIMIZER_GPU_SLOTS = 3  # train/cpu_adam.py's GPU_SLOTS
+# --cpu_optimizer's sizes, defined here for the plan and train/cpu_adam.py alike (this module imports no torch)
+CPU_OPTIMIZER_CHUNK = 1 << 26  # the cpu form: 64M float32 values (256 MB) a chunk: large copies, small staging
+CPU_OPTIMIZER_GPU_CHUNK = 1 << 25  # the gpu form: 32M values a chunk, 256 MB of moments a slot
+CPU_OPTIMIZER_GPU_SLOTS = 3  # chunk i-1's moments going out, i's in the kernel, i+1's coming in: neither copy waits
+CPU_OPTIMIZER_COMPUTES = ("auto", "cpu", "gpu")
 
 
 class MemoryPlanError(ValueError):
@@ -321,11 +323,25 @@ def residents(shape: ModelShape, setup: Setup, levers: Levers, *, kv_tokens: int
     return {"generation": generation, "training": training, "sync": sync}
 
 
+def cpu_optimizer_compute(compute: str, *, float32: bool, on_gpu: bool) -> str:
+    """Where --cpu_optimizer's AdamW math runs (train/cpu_adam.py), for trained weights that are `float32` or not:
+    auto is gpu for float32 weights on a GPU, else cpu. Raises ValueError for an unknown value, and for gpu over
+    weights that are not float32 (the fused kernel takes moments of its weights' dtype)."""
+    if compute not in CPU_OPTIMIZER_COMPUTES:
+        raise ValueError(f"--cpu_optimizer_compute must be auto, cpu or gpu, got {compute!r}")
+    if compute == "gpu" and not float32:
+        raise ValueError("--cpu_optimizer_compute gpu needs float32 weights (the fused kernel takes moments of its weights' dtype): "
+                         "--dtype float32, or --cpu_optimizer_compute cpu")  # fmt: skip
+    if compute == "auto":
+        return "gpu" if on_gpu and float32 else "cpu"
+    return compute
+
+
 def cpu_optimizer_staging(setup: Setup, trained: int) -> int:
     """--cpu_optimizer's buffers on the GPU (train/cpu_adam.py), allocated once: its gpu form's slots, a chunk of
     each float32 moment, or its cpu form's two float32 chunks of updates."""
-    gpu = setup.cpu_optimizer_compute == "gpu" or (setup.cpu_optimizer_compute == "auto" and (setup.lora_rank > 0 or setup.master_bytes == 4))
-    if gpu:  # LoRA's adapters are float32 whatever the base's dtype (train/lora.py)
+    float32 = setup.lora_rank > 0 or setup.master_bytes == 4  # LoRA's adapters are float32 whatever the base's dtype (train/lora.py)
+    if cpu_optimizer_compute(setup.cpu_optimizer_compute, float32=float32, on_gpu=True) == "gpu":
         return CPU_OPTIMIZER_GPU_SLOTS * 2 * 4 * min(CPU_OPTIMIZER_GPU_CHUNK, trained)
     return 2 * 4 * min(CPU_OPTIMIZER_CHUNK, trained)
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from tandemrl.memory import cpu_optimizer_compute
 from tandemrl.types import steps_or_ratio
 
 
@@ -129,8 +130,7 @@ class OffloadConfig:
         return self.offload_optimizer or self.offload_model
 
     def __post_init__(self) -> None:
-        if self.cpu_optimizer_compute not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"--cpu_optimizer_compute must be auto, cpu or gpu, got {self.cpu_optimizer_compute!r}")
+        cpu_optimizer_compute(self.cpu_optimizer_compute, float32=True, on_gpu=False)  # an unknown value: its one-line error
 
 
 @dataclass(kw_only=True)

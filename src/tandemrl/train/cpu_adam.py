@@ -34,10 +34,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-CHUNK_NUMEL = 1 << 26  # the cpu form: 64M float32 values (256 MB) a chunk: large copies, small staging
-GPU_CHUNK_NUMEL = 1 << 25  # the gpu form: 32M values a chunk, 256 MB of moments a slot
-GPU_SLOTS = 3  # chunk i-1's moments going out, i's in the kernel, i+1's coming in: neither copy waits for the other
-COMPUTES = ("auto", "cpu", "gpu")
+from tandemrl.memory import CPU_OPTIMIZER_CHUNK, CPU_OPTIMIZER_GPU_CHUNK, CPU_OPTIMIZER_GPU_SLOTS, cpu_optimizer_compute
+
+CHUNK_NUMEL = CPU_OPTIMIZER_CHUNK  # the sizes are the memory plan's (memory.py says why each)
+GPU_CHUNK_NUMEL = CPU_OPTIMIZER_GPU_CHUNK
+GPU_SLOTS = CPU_OPTIMIZER_GPU_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +61,9 @@ class _Chunk(NamedTuple):
 
 
 def choose_compute(compute: str, params: list[Tensor]) -> str:
-    """Where the AdamW math runs: auto is gpu for float32 weights on a GPU, else cpu. Raises ValueError for gpu
-    over weights that are not float32."""
-    if compute not in COMPUTES:
-        raise ValueError(f"--cpu_optimizer_compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
-    float32 = all(p.dtype == torch.float32 for p in params)
-    if compute == "gpu" and not float32:
-        raise ValueError("--cpu_optimizer_compute gpu needs float32 weights (the fused kernel takes moments of its weights' dtype): "
-                         "--dtype float32, or --cpu_optimizer_compute cpu")  # fmt: skip
-    if compute == "auto":
-        on_gpu = bool(params) and params[0].device.type == "cuda"
-        return "gpu" if on_gpu and float32 else "cpu"
-    return compute
+    """Where the AdamW math runs for these weights: memory.cpu_optimizer_compute's rule."""
+    on_gpu = bool(params) and params[0].device.type == "cuda"
+    return cpu_optimizer_compute(compute, float32=all(p.dtype == torch.float32 for p in params), on_gpu=on_gpu)
 
 
 class CpuAdamW(torch.optim.Optimizer):

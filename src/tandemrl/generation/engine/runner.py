@@ -34,8 +34,7 @@ from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
 # The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form, a candidate until an H200
-# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read at each filtered draw
-# outside the decode graphs, and when FILTERED_GRAPHS captures them.
+# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read when a runner is built.
 FILTERED_SAMPLER = "first"
 # A candidate, off until an H200 times it: decode graphs captured a second time with the filtered sampler in
 # them, replayed when a batch filters (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw
@@ -133,6 +132,10 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
+        if self.is_cuda:  # the filtered sampler's kernel, chosen once (FILTERED_SAMPLER)
+            from tandemrl.generation.engine.layers import sampler_kernel
+
+            self._sample_filtered = sampler_kernel.sample_filtered_search if FILTERED_SAMPLER == "search" else sampler_kernel.sample_filtered
         # the 16-bit GPU prefill (metadata built on the device, padded rows); float32 (the tests' GPU-vs-CPU
         # runs) keeps the gather path
         dtype = model.model.embed_tokens.weight.dtype
@@ -445,11 +448,10 @@ class ModelRunner:
         repetition penalty applied first; elsewhere sampler.sample."""
         if not self.is_cuda:
             return sample(logits, sampling)
-        from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_filtered_search, sample_unfiltered
+        from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
 
         if sampling.penalty is not None:
             logits = penalise(logits.float(), sampling.penalty)
         if sampling.needs_filter:
-            filtered = sample_filtered_search if FILTERED_SAMPLER == "search" else sample_filtered
-            return filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
+            return self._sample_filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
         return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)

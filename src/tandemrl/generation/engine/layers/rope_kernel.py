@@ -12,6 +12,28 @@ from torch import Tensor
 
 
 @triton.jit
+def _norm_heads_(
+    row_ptr, q_w_ptr, k_w_ptr, eps, H: tl.constexpr, K: tl.constexpr, HKP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    OFFSET: tl.constexpr, IN_F32: tl.constexpr,
+):  # fmt: skip
+    # in place: each of one token's H query and K key heads RMS-normed by q_w or k_w, as norm.py's kernel
+    # computes and rounds it
+    h = tl.arange(0, HKP)[:, None]  # [HKP, 1]
+    d = tl.arange(0, DP)[None, :]  # [1, DP]
+    inside = (h < H + K) & (d < D)
+    at = row_ptr + h * D + d
+    x = tl.load(at, mask=inside, other=0.0)
+    xf = x.to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, 1)[:, None] / D + eps)  # [HKP, DP]
+    w = tl.where(h < H, tl.load(q_w_ptr + d, mask=d < D, other=0.0), tl.load(k_w_ptr + d, mask=d < D, other=0.0)).to(tl.float32)
+    if IN_F32:
+        y = normed * (OFFSET + w)
+    else:
+        y = (OFFSET + w) * normed.to(x.dtype).to(tl.float32)
+    tl.store(at, y.to(x.dtype), mask=inside)
+
+
+@triton.jit
 def _rope_cache_kernel(
     qkv_ptr, pos_ptr, table_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_w_ptr, k_w_ptr, eps, stride_n, stride_p, stride_s, stride_k,
     H: tl.constexpr, K: tl.constexpr, HKP: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -23,19 +45,7 @@ def _rope_cache_kernel(
     # rest of a head passes through: partial rotary), then its keys and its values into its cache slot
     n = tl.program_id(0)
     if HEAD_NORM:
-        hn = tl.arange(0, HKP)[:, None]  # [HKP, 1]
-        dn = tl.arange(0, DP)[None, :]  # [1, DP]
-        inside = (hn < H + K) & (dn < D)
-        at = qkv_ptr + n * stride_n + hn * D + dn
-        x = tl.load(at, mask=inside, other=0.0)
-        xf = x.to(tl.float32)
-        normed = xf * tl.rsqrt(tl.sum(xf * xf, 1)[:, None] / D + eps)  # [HKP, DP]
-        w = tl.where(hn < H, tl.load(q_w_ptr + dn, mask=dn < D, other=0.0), tl.load(k_w_ptr + dn, mask=dn < D, other=0.0)).to(tl.float32)
-        if IN_F32:
-            y = normed * (OFFSET + w)
-        else:
-            y = (OFFSET + w) * normed.to(x.dtype).to(tl.float32)
-        tl.store(at, y.to(x.dtype), mask=inside)
+        _norm_heads_(qkv_ptr + n * stride_n, q_w_ptr, k_w_ptr, eps, H, K, HKP, D, DP, OFFSET, IN_F32)
         tl.debug_barrier()  # the normed heads, as stored, are what the rotation below loads
     pos = tl.load(pos_ptr + n)
     i = tl.arange(0, HALFP)[None, :]  # [1, HALFP]

@@ -113,19 +113,40 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor, chunk:
 
 
 @triton.jit
-def _order_key(x, SHIFT: tl.constexpr):
-    # float32 -> int64 key in the floats' order (the sign-magnitude bits of a negative flipped); SHIFT drops
+def _key32(x, SHIFT: tl.constexpr):
+    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped); SHIFT drops
     # low bits that are always zero (16 for bf16 logits), so a search over keys takes few rounds
     bits = x.to(tl.int32, bitcast=True)
-    return (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT).to(tl.int64)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
 
 
 @triton.jit
-def _key32(x, SHIFT: tl.constexpr):
-    # float32 -> int32 key in the floats' order (the sign-magnitude bits of a negative flipped), SHIFT low bits
-    # dropped (16 for bf16 logits); int32 throughout: a pass's integer work is half _order_key's
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
+def _order_key(x, SHIFT: tl.constexpr):
+    # _key32 widened to int64 (the first form's keys: a bisection's midpoint never overflows)
+    return _key32(x, SHIFT).to(tl.int64)
+
+
+@triton.jit
+def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    # both filtered kernels' start of a row: its sampling settings (greedy rows are not filtered, as
+    # sampler.sample), then pass 1: the largest logit and the smallest and largest keys (int64)
+    temp = tl.load(temps_ptr + row)
+    greedy = temp == 0.0
+    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
+    run_max = tl.full([TILE], float("-inf"), tl.float32)
+    key_min = tl.full([TILE], 2**40, tl.int64)
+    key_max = tl.full([TILE], -(2**40), tl.int64)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        key = _order_key(x, SHIFT)
+        run_max = tl.maximum(run_max, x)
+        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
+        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
+    return temp, inv_temp, top_k, top_p, min_p, tl.max(run_max, 0), tl.min(key_min, 0), tl.max(key_max, 0)
 
 
 @triton.jit
@@ -209,29 +230,11 @@ def _sample_filtered_kernel(
     # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
     # sort would (sampler.filter_logits).
     # (One program on purpose: the searches and the draw share the row's max, keys and running sums in
-    # registers. The last pass, _draw_kept, is the second form's too.)
+    # registers. The first pass (_row_start) and the last (_draw_kept) are the second form's too.)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
-    temp = tl.load(temps_ptr + row)
-    greedy = temp == 0.0  # greedy rows are not filtered (as sampler.sample)
-    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
-    # pass 1: the row's largest logit and its smallest and largest keys
-    run_max = tl.full([TILE], float("-inf"), tl.float32)
-    key_min = tl.full([TILE], 2**40, tl.int64)
-    key_max = tl.full([TILE], -(2**40), tl.int64)
-    for start in range(0, V, TILE):
-        v = start + tl.arange(0, TILE)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        key = _order_key(x, SHIFT)
-        run_max = tl.maximum(run_max, x)
-        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
-        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
-    top = tl.max(run_max, 0)
-    lo = tl.min(key_min, 0)
-    hi = tl.max(key_max, 0)
+    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
+    key_top = hi
     # F(t) = (count, mass) of keys >= t, non-increasing in t; the search keeps F(lo) in (lo_count, lo_mass)
     # and F(hi + 1) in (above_count, above_mass)
     lo_count, lo_mass = _mass_at_or_above(row_ptr, V, lo, top, inv_temp, SHIFT, TILE)
@@ -250,7 +253,7 @@ def _sample_filtered_kernel(
         lo_count = top_k.to(tl.int32)
     if (top_p < 1.0) & (temp != 0.0):  # the largest key whose logits at or above it reach top_p of the mass
         target = top_p * lo_mass
-        hi, above_count, above_mass = tl.max(key_max, 0), above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
+        hi, above_count, above_mass = key_top, above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
             count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
@@ -374,25 +377,7 @@ def _sample_filtered_search_kernel(
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     list_ptr = lists_ptr + row * CAPACITY
-    temp = tl.load(temps_ptr + row)
-    greedy = temp == 0.0
-    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
-    run_max = tl.full([TILE], float("-inf"), tl.float32)
-    key_min = tl.full([TILE], 2**31 - 1, tl.int32)
-    key_max = tl.full([TILE], -(2**31), tl.int32)
-    for start in range(0, V, TILE):  # pass 1: the largest logit, the smallest and largest keys
-        v = start + tl.arange(0, TILE)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        key = _key32(x, SHIFT)
-        run_max = tl.maximum(run_max, x)
-        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**31 - 1))
-        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**31)))
-    top = tl.max(run_max, 0)
-    lo = tl.min(key_min, 0).to(tl.int64)
-    hi = tl.max(key_max, 0).to(tl.int64)
+    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
     key_top = hi
     lo_count = (V * 0 + V).to(tl.int32)  # F(lo): every logit
     lo_raw = lo_count

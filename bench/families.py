@@ -19,7 +19,7 @@ banner; prints seconds and the step's loss.
 
     python bench/families.py                                  # both parts, all six families (~6 min on an H200)
     python bench/families.py --parts generate --families gemma2,phi3
-    python bench/families.py --parts generate --families gemma3-4b-text --fused_norms off,on   # the FUSED_NORMS candidate, same run
+    python bench/families.py --parts generate --families gemma3-4b-text --fused_norms off,on   # models/llama.py's FUSED_NORMS off and on, same run
     python bench/families.py --smoke                          # tiny shapes on CPU: checks the script, measures nothing
 """
 
@@ -190,7 +190,8 @@ def bench_generate(name: str, args) -> None:
     from tandemrl.generation.engine.models import llama
 
     settings, timed, engine = args.fused_norms.split(","), {}, None
-    for setting in settings:  # ours once per FUSED_NORMS setting (models/llama.py's candidate), a fresh engine each
+    device_s = {}
+    for setting in settings:  # ours once per FUSED_NORMS setting (models/llama.py), a fresh engine each
         if engine is not None:
             asyncio.run(engine.close())
             del engine
@@ -207,11 +208,14 @@ def bench_generate(name: str, args) -> None:
         tps = num_prompts * new_tokens / timed[setting]
         # the timed call's share of the engine's counters (they count from its start: the warm call too)
         stats = {k: round(v - before.get(k, 0), 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if before else {}
+        device_s[setting] = stats.get("engine/gpu_s")
         label = {"fused_norms": setting} if len(settings) > 1 else {}
         print(json.dumps({"family": name, "system": "ours", **label, "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(timed[setting], 2), "tokens_per_s": round(tps, 1), **stats}), flush=True)  # fmt: skip
         print(f"{name}: ours{'' if not label else f' (fused norms {setting})'} vs transformers generate (output tokens/s, {num_prompts} x {new_tokens}): {tps / hf_tps:.2f}x", flush=True)
     if "off" in timed and "on" in timed:
         print(f"ratio {name} time fused norms off/on = {timed['off'] / timed['on']:.3f}", flush=True)
+        if device_s["off"] and device_s["on"]:  # the engine's device time: wall time also holds the host's noise
+            print(f"ratio {name} device time fused norms off/on = {device_s['off'] / device_s['on']:.3f}", flush=True)
     ours_s = timed[settings[0]]  # the floor's lines below: the first setting's
     if DEVICE == "cuda":  # how near the floor ours runs, and the most a bf16 engine could beat transformers by here
         from engine import copy_bandwidth, matmul_rate  # bench/engine.py
@@ -291,7 +295,7 @@ def main() -> None:
     parser.add_argument("--completion_tokens", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="tandem train with its compiled decoder layers (~1 min more a family)")
     parser.add_argument("--train_timeout_s", type=float, default=300)
-    parser.add_argument("--fused_norms", default="off", help="models/llama.py's FUSED_NORMS candidate, ours timed once per setting: off, on, or off,on")
+    parser.add_argument("--fused_norms", default="on", help="models/llama.py's FUSED_NORMS (on by default), ours timed once per setting: off, on, or off,on")
     parser.add_argument("--family_timeout_s", type=float, default=900, help="most seconds one family's generate part may take (its own process)")
     parser.add_argument("--warm", choices=("full", "short"), default="full", help="each side's untimed call first: the timed workload itself "
                         "(full), or a short one (short: how the figures before Dec 3's third session were measured)")

@@ -469,7 +469,7 @@ def test_family_kernel_options_match_the_torch_path(dtype):
 
 @cuda
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma2"])
-def test_fused_norms_candidate_gives_the_unfused_engines_tokens(tmp_path, family, monkeypatch):
+def test_fused_norms_give_the_unfused_engines_tokens(tmp_path, family, monkeypatch):
     """models/llama.py's FUSED_NORMS (each q/k head's norm inside the RoPE kernel; Gemma's two norms around
     attention's output in one kernel) against the engine without it, bf16 under CUDA graphs: the same
     greedy tokens but for near-ties, logprobs within bf16's rounding."""

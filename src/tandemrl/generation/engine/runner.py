@@ -33,12 +33,15 @@ from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, Samplin
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
-# The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form, a candidate until an H200
-# times it end to end (bench/engine.py --sampling ... --filtered_forms first,search). Read when a runner is built.
+# The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form. Read when a runner is
+# built. "search" is 1.2-1.36x faster for top-k and min-p on an H200, but there its floors for top-p alone
+# differ from the torch sampler's (the interpreter's agree), so it stays off until that is found
+# (bench/RESULTS.md; `bench/decode.py --only sampler` prints both forms' same_floors).
 FILTERED_SAMPLER = "first"
-# A candidate, off until an H200 times it: decode graphs captured a second time with the filtered sampler in
-# them, replayed when a batch filters (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw
-# wasted) and then the filtered kernel outside it. Read when graphs are captured.
+# Decode graphs captured a second time with the filtered sampler in them, replayed when a batch filters
+# (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw wasted) and then the filtered kernel
+# outside it. Read when graphs are captured. Off: with the first form it saved 2-3% of a filtered 0.5B
+# generation on an H200 (1.10x with the search form), and it doubles graph capture at every start.
 FILTERED_GRAPHS = False
 
 

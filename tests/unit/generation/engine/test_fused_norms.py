@@ -1,4 +1,4 @@
-"""The fused norms of models/llama.py's FUSED_NORMS candidate against the kernels they replace and the torch path,
+"""The fused norms of models/llama.py's FUSED_NORMS against the kernels they replace and the torch path,
 in triton's interpreter on CPU (where triton is installed; tests/gpu runs them on a GPU): Gemma's norm after
 attention and the one before the MLP in one pass (norm.py, pre_weight), and each q/k head's RMSNorm inside the
 RoPE + cache kernel (rope_kernel.py, HeadNorm), in both of transformers' norm orders."""

@@ -34,10 +34,11 @@ from tandemrl.generation.engine.parallel import Shard, TensorParallel
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LlamaForCausalLM", "unsupported_reason"]
 
-# A candidate, off until an H200 run times it (bench/RESULTS.md): on CUDA, each q/k head's RMSNorm (Qwen3,
-# Gemma 3) inside the RoPE + cache kernel instead of two norm kernels and a copy of qkv, and Gemma's norm after
-# attention and the one before the MLP in one kernel. The same arithmetic and roundings as the kernels it replaces.
-FUSED_NORMS = False
+# On CUDA, each q/k head's RMSNorm (Qwen3, Gemma 3) inside the RoPE + cache kernel instead of two norm kernels and
+# a copy of qkv, and Gemma's norm after attention and the one before the MLP in one kernel: the same arithmetic and
+# roundings as the kernels it replaces. On since an H200 timed it (Gemma-3-4B decode device time 1.033x less,
+# bench/RESULTS.md); False runs the separate kernels (`bench/families.py --fused_norms off,on` times both).
+FUSED_NORMS = True
 
 
 class RMSNorm(nn.Module):

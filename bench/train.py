@@ -279,7 +279,7 @@ def main() -> None:
         "is built (the whole process: run it beside a plain process for the A/B; e.g. --variants 'torch_compile=false;')"
     )  # fmt: skip
     parser.add_argument("--full_step", action="store_true")
-    parser.add_argument("--full_steps", type=int, default=6)
+    parser.add_argument("--full_steps", type=int, default=6, help="steps of each `tandem train`; the figures are the mean of the third on (>= 3)")
     parser.add_argument(
         "--full_step_completions", default="", help="long rollouts: `tandem train` of --full_step_prompts x 8 at each of these "
         "completion lengths (e.g. 4096,8192), after the default workload's; --only '' runs these alone"
@@ -288,6 +288,8 @@ def main() -> None:
     parser.add_argument("--full_step_timeout", type=int, default=540, help="seconds one `tandem train` may take")
     parser.add_argument("--train_flags", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
+    if (args.full_step or args.full_step_completions) and args.full_steps < 3:
+        parser.error(f"--full_steps {args.full_steps}: the first two steps compile and warm up, so the figures need --full_steps 3 or more")
     num_tokens = PROMPTS * GENERATIONS * (PROMPT + COMPLETION)
     if args.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2

@@ -134,7 +134,9 @@ def sampler(args) -> None:
             row[f"{name}_search_ms"] = round(do_bench(search, warmup=10, rep=100, return_mode="median"), 4)
             row[f"{name}_search_same_ids"] = round((search_ids == ref_ids).float().mean().item(), 4)
             row[f"{name}_search_same_floors"] = round(torch.isclose(search_floors, ref_floors, atol=1e-4).float().mean().item(), 4)
-            if name == "top_p=0.9":
+            if name == "top_p=0.9":  # the second form without its list (capacity 0): which part of it moves top-p's floors on a GPU
+                _, _, bare_floors = sample_filtered_search(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys, capacity=0)
+                row[f"{name}_search_nolist_same_floors"] = round(torch.isclose(bare_floors, ref_floors, atol=1e-4).float().mean().item(), 4)
                 row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
         print(json.dumps(row), flush=True)
         print(f"ratio sampler rows={rows} scale={scale}: top_p=0.9 {row['top_p=0.9_ms'] / unfiltered:.2f}x unfiltered, torch sort {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)

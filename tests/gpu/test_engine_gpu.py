@@ -111,12 +111,12 @@ def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype, form):
 
 
 @cuda
-@pytest.mark.parametrize(
-    "form", ["first", pytest.param("search", marks=pytest.mark.xfail(reason="the second form's top-p-alone floors differ on an H200 (bench/RESULTS.md)"))]
-)
+@pytest.mark.parametrize("form", ["first", "search"])
 def test_filtered_sampler_floors_of_top_p_alone_on_flat_logits(form):
     """Top-p 0.9 alone at temperature 1 on flat bf16 logits (a random model's): the threshold falls among
-    hundreds of tied logits, and the floor must be the torch sampler's (the case the test above has no row of)."""
+    hundreds of tied logits, and the floor must be the torch sampler's (the case the test above has no row of).
+    The second form's search misses its first rounds here, then searches its list: the GPU build once lost
+    the list's base between rounds (sampler_kernel._search) and failed this in 98-100% of rows."""
     from tandemrl.generation.engine.layers import sampler_kernel
 
     sample_filtered = sampler_kernel.sample_filtered if form == "first" else sampler_kernel.sample_filtered_search

@@ -34,9 +34,10 @@ from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
 # The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form. Read when a runner is
-# built. "search" is 1.2-1.36x faster for top-k and min-p on an H200, but there its floors for top-p alone
-# differ from the torch sampler's (the interpreter's agree), so it stays off until that is found
-# (bench/RESULTS.md; `bench/decode.py --only sampler` prints both forms' same_floors).
+# built. "search" is 1.2-1.36x faster for top-k and min-p on an H200, where its floors for top-p alone
+# differed from the torch sampler's: a loop-carry pitfall of triton's GPU build (sampler_kernel._search), fixed
+# since, not yet re-run on a GPU; off until `pytest tests/gpu/test_engine_gpu.py -k filtered_sampler` passes
+# there and bench/engine.py times it (bench/RESULTS.md).
 FILTERED_SAMPLER = "first"
 # Decode graphs captured a second time with the filtered sampler in them, replayed when a batch filters
 # (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw wasted) and then the filtered kernel

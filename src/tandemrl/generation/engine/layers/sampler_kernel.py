@@ -341,8 +341,13 @@ def _search(
     # the copy's hi + 1 (base) + the list's part.
     listed = lo_raw * 0
     n = lo_raw * 0
-    base_count = above_count
-    base_mass = above_mass
+    # base_* start as values of their own, not as above_count / above_mass themselves: triton finds a while
+    # loop's carried variables by a dry visit of its body, where `base_count = above_count` then changed
+    # nothing, so the GPU build did not carry them and a round after the copy read F(hi + 1) as the value
+    # before the loop (0): top-p alone, whose first rounds miss, found the wrong threshold (the interpreter
+    # runs the Python and was right)
+    base_count = lo_raw * 0
+    base_mass = above_mass * 0.0
     while lo < hi:
         if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
             n = _compact(row_ptr, V, lo.to(tl.int32), hi.to(tl.int32), list_ptr, SHIFT, TILE)

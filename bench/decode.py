@@ -8,10 +8,16 @@ warps, stages, programs per SM -> splits) at two sizes, then the best few and th
 checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
 Gumbel-max kernel), filtered (the threshold-search kernel, and its second form `sample_filtered_search`:
 each checked against the torch sampler, with the ratio of the two forms) with top_p / top_k / min_p, and the
-torch reference (a full sort), with the filtered/unfiltered ratio.
+torch reference (a full sort), with the filtered/unfiltered ratio. Matmul (`--only matmul`): each layer
+projection of the decode step at 128 and 512 rows (Qwen2.5 0.5B / 1.5B / 7B widths, and Mistral-7B's with
+--models mistral-7b), as the engine calls it (F.linear on a [out, in] weight) and on the same weight stored
+[in, out] (x @ w), which cuBLAS serves with other kernels: the weight bytes each moves per second against the
+copy bandwidth, and the ratio of the two layouts (where the 128-row matmuls lose to the bandwidth limit:
+bench/RESULTS.md, Mistral-7B's profile).
 
     python bench/decode.py --sweep
     python bench/decode.py --only sampler
+    python bench/decode.py --only matmul --models 0.5b,7b,mistral-7b
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from triton.testing import do_bench
 # query heads, key/value heads, head dim
 HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
 OLD = dict(splits=1, tile=64, num_warps=4, num_stages=3)
+# hidden size, query heads x head dim, key/value heads x head dim, MLP width: the decode step's four projections
+WIDTHS = {"0.5b": (896, 896, 128, 4864), "1.5b": (1536, 1536, 256, 8960), "7b": (3584, 3584, 512, 18944), "mistral-7b": (4096, 4096, 1024, 14336)}
 
 
 def copy_bandwidth() -> float:
@@ -151,9 +159,31 @@ def sampler(args) -> None:
             print(json.dumps({"sampler_sweep": True, "tile": tile, "num_warps": warps, "ms": round(ms, 4)}), flush=True)
 
 
+def matmul(args, bandwidth: float) -> None:
+    import torch.nn.functional as F
+
+    for shape, rows in itertools.product([m for m in args.models.split(",") if m in WIDTHS], (128, 512)):
+        hidden, q, kv, inner = WIDTHS[shape]
+        for name, (n_in, n_out) in {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}.items():
+            x = torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) * n_in**-0.5  # [out, in], as the engine holds it
+            stored_in_out = weight.t().contiguous()  # [in, out]
+            linear = do_bench(lambda: F.linear(x, weight), warmup=25, rep=200, return_mode="median")
+            in_out = do_bench(lambda: x @ stored_in_out, warmup=25, rep=200, return_mode="median")
+            same = torch.allclose(F.linear(x, weight).float(), (x @ stored_in_out).float(), atol=2e-2, rtol=2e-2)
+            weight_bytes = weight.numel() * 2
+            row = {"model": shape, "rows": rows, "projection": name, "in": n_in, "out": n_out, "weight_MB": round(weight_bytes / 1e6, 1),
+                   "linear_ms": round(linear, 4), "in_out_ms": round(in_out, 4), "same_within_bf16": same}  # fmt: skip
+            row["linear_fraction_of_copy"] = round(weight_bytes / (linear / 1e3) / bandwidth, 3)
+            row["in_out_fraction_of_copy"] = round(weight_bytes / (in_out / 1e3) / bandwidth, 3)
+            print(json.dumps(row), flush=True)
+            print(f"ratio matmul {shape} {name} rows={rows}: F.linear [out, in] / x @ [in, out] time = {linear / in_out:.2f}x", flush=True)
+            del x, weight, stored_in_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="attention,sampler")
+    parser.add_argument("--only", default="attention,sampler", help="attention, sampler, matmul")
     parser.add_argument("--models", default="0.5b,1.5b,7b")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
@@ -163,6 +193,8 @@ def main() -> None:
         attention(args, bandwidth)
     if "sampler" in args.only:
         sampler(args)
+    if "matmul" in args.only:
+        matmul(args, bandwidth)
 
 
 if __name__ == "__main__":

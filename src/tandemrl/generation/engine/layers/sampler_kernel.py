@@ -150,6 +150,22 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
 
 
 @triton.jit
+def _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k):
+    # F(lo)'s mass once the tied logits at lo past the top_k-th are dropped (ties have equal masses), from
+    # F(lo) = (lo_count, lo_mass) and F(lo + 1) = (above_count, above_mass)
+    return above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
+
+
+@triton.jit
+def _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass):
+    # how many logits stay at or above top-p's threshold lo: all above it, and of the tied ones at lo (equal
+    # masses) the j-th while the mass before it is under the target
+    tied = lo_count - above_count
+    each = (lo_mass - above_mass) / tied
+    return above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
+
+
+@triton.jit
 def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= threshold: one pass
     count = tl.zeros([TILE], tl.int32)
@@ -248,8 +264,7 @@ def _sample_filtered_kernel(
                 lo, lo_count, lo_mass = mid, count, mass
             else:
                 hi, above_count, above_mass = mid - 1, count, mass
-        # tied logits at lo past the top_k-th are dropped: F(lo) counts top_k of them
-        lo_mass = above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
+        lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
         lo_count = top_k.to(tl.int32)
     if (top_p < 1.0) & (temp != 0.0):  # the largest key whose logits at or above it reach top_p of the mass
         target = top_p * lo_mass
@@ -261,10 +276,7 @@ def _sample_filtered_kernel(
                 lo, lo_count, lo_mass = mid, count, mass
             else:
                 hi, above_count, above_mass = mid - 1, count, mass
-        tied = lo_count - above_count
-        each = (lo_mass - above_mass) / tied
-        # the j-th tied logit stays while the mass before it is under the target
-        lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
+        lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
     _draw_kept(
         row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
@@ -404,8 +416,7 @@ def _sample_filtered_search_kernel(
                 _, above_mass = _sums_from(row_ptr, V, (lo + 1).to(tl.int32), top, inv_temp, SHIFT, TILE, True)
             else:
                 above_mass = lo_mass * 0.0
-        # tied logits at lo past the top_k-th are dropped: F(lo) counts top_k of them
-        lo_mass = above_mass + (lo_mass - above_mass) / (lo_count - above_count) * (top_k - above_count)
+        lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
         lo_count = top_k.to(tl.int32)
     if use_p:  # the largest key whose logits at or above it reach top_p of the mass
         target = top_p * lo_mass
@@ -413,10 +424,7 @@ def _sample_filtered_search_kernel(
             row_ptr, list_ptr, V, lo, key_top, lo_raw, lo_count, lo_mass, above_count * 0, above_mass * 0.0, target, top, inv_temp,
             CAPACITY, True, SHIFT, TILE,
         )  # fmt: skip
-        tied = lo_count - above_count
-        each = (lo_mass - above_mass) / tied
-        # the j-th tied logit stays while the mass before it is under the target
-        lo_count = above_count + tl.minimum(tied, tl.maximum(1, tl.ceil((target - above_mass) / each).to(tl.int32)))
+        lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
     _draw_kept(
         row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,

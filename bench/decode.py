@@ -6,8 +6,8 @@ read, and their ratio to the measured copy bandwidth. `--sweep` first times ever
 warps, stages, programs per SM -> splits) at two sizes, then the best few and the old kernel's setting
 (one program per sequence and KV head: splits 1, tile 64, 4 warps, 3 stages) at every size, each
 checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
-Gumbel-max kernel), filtered (the threshold-search kernel, and its second form `sample_filtered_search`:
-each checked against the torch sampler, with the ratio of the two forms) with top_p / top_k / min_p, and the
+Gumbel-max kernel), filtered (the threshold-search kernel, checked against the torch sampler; with `--sweep`
+also its tile, warps and list capacity at 256 rows) with top_p / top_k / min_p, and the
 torch reference (a full sort), with the filtered/unfiltered ratio. Matmul (`--only matmul`): each layer
 projection of the decode step at 128 and 512 rows (Qwen2.5 0.5B / 1.5B / 7B widths, and Mistral-7B's with
 --models mistral-7b), as the engine calls it (F.linear on a [out, in] weight) and on the same weight stored
@@ -116,7 +116,7 @@ def attention(args, bandwidth: float) -> None:
 
 def sampler(args) -> None:
     from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
-    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_filtered_search, sample_unfiltered
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
 
     vocab = 151936
     for rows, scale in itertools.product((128, 256, 512), (0.5, 3.0)):  # flat logits (random weights) and peaked ones
@@ -136,27 +136,21 @@ def sampler(args) -> None:
             ms = do_bench(call, warmup=10, rep=100, return_mode="median")
             row[f"{name}_ms"], row[f"{name}_same_ids"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4)
             row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
-            # the second form (sample_filtered_search: int32 keys, count-only top-k rounds, a bracket's list)
-            search = lambda: sample_filtered_search(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)  # noqa: E731
-            search_ids, _, search_floors = search()
-            row[f"{name}_search_ms"] = round(do_bench(search, warmup=10, rep=100, return_mode="median"), 4)
-            row[f"{name}_search_same_ids"] = round((search_ids == ref_ids).float().mean().item(), 4)
-            row[f"{name}_search_same_floors"] = round(torch.isclose(search_floors, ref_floors, atol=1e-4).float().mean().item(), 4)
-            if name == "top_p=0.9":  # the second form without its list (capacity 0): which part of it moves top-p's floors on a GPU
-                _, _, bare_floors = sample_filtered_search(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys, capacity=0)
-                row[f"{name}_search_nolist_same_floors"] = round(torch.isclose(bare_floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+            if name == "top_p=0.9":
                 row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
         print(json.dumps(row), flush=True)
-        print(f"ratio sampler rows={rows} scale={scale}: top_p=0.9 {row['top_p=0.9_ms'] / unfiltered:.2f}x unfiltered, torch sort {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)
-        for name in ("top_p=0.9", "top_k=50", "top_k=50,top_p=0.9"):
-            print(f"ratio sampler rows={rows} scale={scale} {name}: first form / search form = {row[f'{name}_ms'] / row[f'{name}_search_ms']:.2f}x", flush=True)
-    if args.sweep:  # the filtered kernel's tile and warps at 256 flat rows, top_p 0.9
+        for name in ("none", "top_p=0.9", "top_k=50", "min_p=0.05", "top_k=50,top_p=0.9"):
+            print(f"ratio sampler rows={rows} scale={scale} {name}: filtered / unfiltered = {row[f'{name}_ms'] / unfiltered:.2f}x", flush=True)
+        print(f"ratio sampler rows={rows} scale={scale}: torch sort top_p=0.9 / unfiltered = {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)
+    if args.sweep:  # the filtered kernel's tile, warps and list capacity at 256 flat rows, top_p 0.9 and top_k 50
         logits = (torch.randn(256, vocab, device="cuda") * 0.5).to(torch.bfloat16)
         ones, keys = torch.ones(256, device="cuda"), row_keys(torch.arange(256, device="cuda"), torch.full((256,), 5, device="cuda"))
-        top_k, top_p, min_p = torch.full((256,), vocab, device="cuda"), torch.full((256,), 0.9, device="cuda"), torch.zeros(256, device="cuda")
-        for tile, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
-            ms = do_bench(lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, tile=tile, num_warps=warps), warmup=5, rep=50, return_mode="median")
-            print(json.dumps({"sampler_sweep": True, "tile": tile, "num_warps": warps, "ms": round(ms, 4)}), flush=True)
+        for name, k, p in (("top_p=0.9", vocab, 0.9), ("top_k=50", 50, 1.0)):
+            top_k, top_p, min_p = torch.full((256,), k, device="cuda"), torch.full((256,), p, device="cuda"), torch.zeros(256, device="cuda")
+            for tile, warps, capacity in itertools.product((1024, 2048, 4096), (8, 16, 32), (4096, 16384)):
+                call = lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, capacity=capacity, tile=tile, num_warps=warps)  # noqa: E731
+                ms = do_bench(call, warmup=5, rep=50, return_mode="median")
+                print(json.dumps({"sampler_sweep": name, "tile": tile, "num_warps": warps, "capacity": capacity, "ms": round(ms, 4)}), flush=True)
 
 
 def matmul(args, bandwidth: float) -> None:

@@ -64,7 +64,8 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def run_ours(
-    model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None, memory: float = 0.6
+    model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None, memory: float = 0.6,
+    decode_graphs: str = "auto",
 ) -> list[tuple[float, dict]]:
     """(seconds, step split) of each call (a list of requests), timed in turn on one engine after a warm call."""
     from tandemrl.generation.base import EngineConfig
@@ -72,6 +73,7 @@ def run_ours(
     from tandemrl.types import SamplingParams
 
     config = EngineConfig(device="cuda", gpu_memory_utilization=memory, max_num_seqs=512, max_model_len=max_model_len, max_num_batched_tokens=16384)
+    config.decode_graphs = decode_graphs if decode_graphs != "auto" else ("filtered" if SamplingParams(**(sampling or {})).filters else "plain")  # as tandem train
     engine = Engine(config, model=model)
 
     async def go(reqs):
@@ -274,8 +276,7 @@ def main() -> None:
         "--sampling", default="", help="';'-separated filters of every request, ours run once each, e.g. ';top_p=0.9;top_k=50' (none, then two)"
     )  # fmt: skip
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6, help="ours' share of the GPU (KV cache room)")
-    parser.add_argument("--filtered_forms", default="first", help="the filtered sampler's kernels to run each filtered --sampling variant with: first,search (runner.FILTERED_SAMPLER)")
-    parser.add_argument("--filtered_graphs", default="off", help="decode graphs with the filtered sampler in them, for each filtered --sampling variant: off, on, or off,on (runner.FILTERED_GRAPHS)")
+    parser.add_argument("--decode_graphs", default="auto", help="each filtered --sampling variant's decode graphs: auto (filtered, as tandem train), plain, filtered, or plain,filtered (EngineSettings.decode_graphs)")
     args = parser.parse_args()
     variants = [{k: (int(v) if k == "top_k" else float(v)) for k, v in (kv.split("=") for kv in variant.split(",") if kv)} for variant in args.sampling.split(";")]
     args.sampling = variants[0]  # of the ctx workloads (decode steps at a context)
@@ -293,20 +294,17 @@ def main() -> None:
             num_tokens = sum(n for _, n in requests)
             max_len = max(len(p) + n for p, n in requests)
             figures = {}
-            forms, graphed = args.filtered_forms.split(","), args.filtered_graphs.split(",")
-            runs = [("ours", v, form, g) for v in variants if "ours" in systems for form in (forms if v else forms[:1]) for g in (graphed if v else ["off"])]
-            runs += [(s, {}, None, None) for s in systems if s != "ours"]
-            for system, sampling, form, graphs in runs:
+            graphed = args.decode_graphs.split(",")
+            runs = [("ours", v, g) for v in variants if "ours" in systems for g in (graphed if v else ["auto"])]
+            runs += [(s, {}, None) for s in systems if s != "ours"]
+            for system, sampling, graphs in runs:
                 try:
                     if system == "ours":
-                        from tandemrl.generation.engine import runner
-
-                        runner.FILTERED_SAMPLER, runner.FILTERED_GRAPHS = form, graphs == "on"
                         [(elapsed, split)] = run_ours(
-                            model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling, memory=args.gpu_memory_utilization
+                            model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling, memory=args.gpu_memory_utilization,
+                            decode_graphs=graphs,
                         )  # fmt: skip
-                        system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items()) + (f",form={form}" if sampling and len(forms) > 1 else "")
-                        system += f",graphs={graphs}" if sampling and len(graphed) > 1 else ""
+                        system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items()) + (f",graphs={graphs}" if sampling and len(graphed) > 1 else "")
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}
                     else:
@@ -328,7 +326,7 @@ def main() -> None:
                 if system != "ours" and "ours" in figures:  # at once: a run cut short keeps its ratios
                     if system.startswith("ours,"):  # a filtered run against the unfiltered one
                         print(f"ratio {shape} {name} time {system}/ours = {figures['ours'] / figures[system]:.2f}", flush=True)
-                        for before, after in (("form=first", "form=search"), ("graphs=off", "graphs=on")):  # a candidate against its base
+                        for before, after in (("graphs=plain", "graphs=filtered"),):  # a candidate against its base
                             if after in system and system.replace(after, before) in figures:
                                 base = system.replace(after, before)
                                 print(f"ratio {shape} {name} time {base}/{system} = {figures[system] / figures[base]:.2f}", flush=True)

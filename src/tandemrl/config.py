@@ -378,6 +378,8 @@ def _generator(config: TrainConfig, sizing: EngineSizing | None) -> GeneratorCon
     if sizing is None:
         return HFConfig(device=device, generation_kwargs=g.hf_generation_kwargs())
     settings = {**dataclasses.asdict(config.engine), **dataclasses.asdict(sizing)}
+    if settings["decode_graphs"] == "auto":  # the run's own sampling decides which sampler its decode graphs hold
+        settings["decode_graphs"] = "filtered" if _sampling(config).filters else "plain"
     return EngineConfig(**settings, device=device, seed=config.run.seed)
 
 

@@ -86,11 +86,8 @@ def test_split_kv_decode_matches_gather_attention_at_long_contexts(heads, kv_hea
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form", ["first", "search"])
-def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype, form):
-    from tandemrl.generation.engine.layers import sampler_kernel
-
-    sample_filtered = sampler_kernel.sample_filtered if form == "first" else sampler_kernel.sample_filtered_search
+def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype):
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
 
     torch.manual_seed(4)
     batch, vocab = 48, 151936
@@ -111,15 +108,13 @@ def test_filtered_sampler_kernel_matches_the_torch_sampler(dtype, form):
 
 
 @cuda
-@pytest.mark.parametrize("form", ["first", "search"])
-def test_filtered_sampler_floors_of_top_p_alone_on_flat_logits(form):
+def test_filtered_sampler_floors_of_top_p_alone_on_flat_logits():
     """Top-p 0.9 alone at temperature 1 on flat bf16 logits (a random model's): the threshold falls among
     hundreds of tied logits, and the floor must be the torch sampler's (the case the test above has no row of).
-    The second form's search misses its first rounds here, then searches its list: the GPU build once lost
-    the list's base between rounds (sampler_kernel._search) and failed this in 98-100% of rows."""
-    from tandemrl.generation.engine.layers import sampler_kernel
+    The search misses its first rounds here, then searches its list: the GPU build once lost the list's base
+    between rounds (sampler_kernel._search) and failed this in 98-100% of rows."""
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
 
-    sample_filtered = sampler_kernel.sample_filtered if form == "first" else sampler_kernel.sample_filtered_search
     torch.manual_seed(5)
     batch, vocab = 64, 151936
     logits = (torch.randn(batch, vocab, device="cuda") * 0.5).to(torch.bfloat16)
@@ -519,33 +514,35 @@ def test_fused_norms_give_the_unfused_engines_tokens(tmp_path, family, monkeypat
 
 
 @cuda
-@pytest.mark.parametrize("form", ["first", "search"])
-def test_filtered_graphs_candidate_gives_the_eager_filtered_draws_tokens(tmp_path, form, monkeypatch):
-    """runner.FILTERED_GRAPHS (decode graphs with the filtered sampler in them) against the plain graphs and the
-    filtered draw outside them: the same tokens, logprobs and floors, bit for bit, for a batch of filtered,
-    unfiltered, greedy and penalised rows (the penalised still redrawn outside the graph)."""
-    from tandemrl.generation.engine import runner
+def test_filtered_decode_graphs_give_the_plain_graphs_tokens(tmp_path):
+    """--decode_graphs filtered (the filtered sampler inside the decode graphs) against plain (a plain draw in
+    the graph, the filtered one after it): the same tokens, logprobs and floors, bit for bit, for a batch of
+    filtered, unfiltered, greedy and penalised rows (the penalised still redrawn outside the graph); and a
+    batch that filters nothing gets the plain graphs' tokens and no floors from the filtered graphs."""
     from tandemrl.tasks.tiny import save_tiny
 
     model_dir = save_tiny(str(tmp_path), seed=3)
     prompts = [list(range(3 + i, 25 + 2 * i)) for i in range(8)]
-    params = [
+    mixed = [
         SamplingParams(
             max_tokens=20, temperature=0.0 if i == 0 else 1.0, top_p=0.9 if i % 2 else 1.0, top_k=20 if i % 3 == 1 else -1, min_p=0.05 if i == 4 else 0.0,
             repetition_penalty=1.3 if i == 6 else 1.0, seed=i, ignore_eos=True,
         )
         for i in range(len(prompts))
     ]  # fmt: skip
+    plain = [SamplingParams(max_tokens=20, temperature=0.0 if i == 0 else 1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
     outputs = {}
-    monkeypatch.setattr(runner, "FILTERED_SAMPLER", form)
-    for graphed in (False, True):
-        monkeypatch.setattr(runner, "FILTERED_GRAPHS", graphed)
-        engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=128))
-        assert bool(engine.runner.filter_graphs) == graphed
+    for graphs in ("plain", "filtered"):
+        config = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_num_seqs=32, max_model_len=128, decode_graphs=graphs)
+        engine = Engine(config)
+        assert engine.runner.filtered_graphs == (graphs == "filtered") and engine.runner.graphs
 
-        async def all_requests(engine=engine):
+        async def all_requests(engine=engine, params=None):
             return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
 
-        outputs[graphed] = [(c.token_ids, c.logprobs, c.logit_floors) for c in run(all_requests())]
+        outputs[graphs] = [[(c.token_ids, c.logprobs, c.logit_floors) for c in run(all_requests(params=params))] for params in (mixed, plain)]
         run(engine.close())
-    assert outputs[True] == outputs[False]
+    assert outputs["filtered"][0] == outputs["plain"][0]
+    for (ids, logprobs, floors), (plain_ids, plain_logprobs, plain_floors) in zip(outputs["filtered"][1], outputs["plain"][1]):
+        assert ids == plain_ids and floors is None and plain_floors is None
+        assert max(abs(a - b) for a, b in zip(logprobs, plain_logprobs)) < 1e-4  # two kernels' log-sum-exp

@@ -34,6 +34,20 @@ def test_resolving_builds_nothing_and_is_pure():
     assert plan.loop.steps_per_generation == 2 and plan.loop.max_policy_lag == 1
 
 
+@pytest.mark.parametrize(
+    "flags, graphs",
+    [
+        ([], "plain"),
+        (["--top_p", "0.9"], "filtered"),
+        (["--generation_kwargs", '{"top_k": 50}'], "filtered"),  # TRL's form: the sampler the run draws with decides
+        (["--min_p", "0.05", "--decode_graphs", "plain"], "plain"),  # the flag, where given, wins
+        (["--decode_graphs", "filtered"], "filtered"),
+    ],
+)
+def test_the_decode_graphs_hold_the_sampler_the_run_draws_with(flags, graphs):
+    assert parse(flags)[0].resolve().generator.decode_graphs == graphs
+
+
 def test_the_api_key_falls_back_to_the_environment_once_for_the_policy_and_the_judge(monkeypatch):
     monkeypatch.setenv("TANDEM_API_KEY", "from-env")
     flags = ["--rollout_mode", "server", "--rollout_server_urls", "http://127.0.0.1:1", "--reward_model", "j", "--reward_model_url", "http://127.0.0.1:2"]

@@ -104,6 +104,11 @@ class EngineSettings:
     computes (figures: bench/RESULTS.md, bench/multiturn.py)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (debugging)."""
+    decode_graphs: Literal["auto", "plain", "filtered"] = "auto"
+    """The sampler captured in the decode steps' CUDA graphs: plain, or filtered (top-k/top-p/min-p, which then
+    runs inside the graph instead of after a plain draw; batches without filters still work, a little more
+    slowly). auto: filtered where the run's sampling filters (tandem train's --top_p/--top_k/--min_p), else
+    plain (tandem rollout: choose filtered when most requests filter). Figures: bench/RESULTS.md."""
     tensor_parallel_size: int = 1
     """GPUs the engine splits its model over (heads, MLP and vocab; tandem rollout uses GPUs 0..N-1, one
     process each, and serves from the first)."""

@@ -109,6 +109,7 @@ class Engine:
                 use_graphs=not config.enforce_eager,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
                 record_routes=config.routing_replay,
+                filtered_graphs=config.decode_graphs == "filtered",
             )
             wanted = num_kv_blocks(config, self.model.config, self.runner, self.device, max_model_len=self.max_model_len)
             num_blocks = wanted if self.tp is None else self.tp.min(wanted)  # the same on every rank

@@ -33,17 +33,6 @@ from tandemrl.generation.engine.layers.sampler import RepetitionPenalty, Samplin
 from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
-# The filtered sampler's kernel (sampler_kernel.py): "first", or "search", its second form. Read when a runner is
-# built. "search" is 1.2-1.36x faster for top-k and min-p on an H200, where its floors for top-p alone
-# differed from the torch sampler's: a loop-carry pitfall of triton's GPU build (sampler_kernel._search), fixed
-# since, not yet re-run on a GPU; off until `pytest tests/gpu/test_engine_gpu.py -k filtered_sampler` passes
-# there and bench/engine.py times it (bench/RESULTS.md).
-FILTERED_SAMPLER = "first"
-# Decode graphs captured a second time with the filtered sampler in them, replayed when a batch filters
-# (top-k/top-p/min-p), instead of the plain graph (its unfiltered draw wasted) and then the filtered kernel
-# outside it. Read when graphs are captured. Off: with the first form it saved 2-3% of a filtered 0.5B
-# generation on an H200 (1.10x with the search form), and it doubles graph capture at every start.
-FILTERED_GRAPHS = False
 
 
 HOST = torch.device("cpu")
@@ -125,8 +114,11 @@ class Launched:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int, use_graphs: bool, max_num_batched_tokens: int,
-        record_routes: bool = False,
+        record_routes: bool = False, filtered_graphs: bool = False,
     ) -> None:
+        """filtered_graphs: decode graphs with the filtered sampler (top-k/top-p/min-p) in them, for runs whose
+        requests filter (EngineSettings.decode_graphs); they also serve batches that filter nothing, more
+        slowly. Plain graphs sample plainly: a batch that filters then draws again after the replay."""
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -136,10 +128,6 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.is_cuda = self.device.type == "cuda"
         self.use_graphs = use_graphs and self.is_cuda
-        if self.is_cuda:  # the filtered sampler's kernel, chosen once (FILTERED_SAMPLER)
-            from tandemrl.generation.engine.layers import sampler_kernel
-
-            self._sample_filtered = sampler_kernel.sample_filtered_search if FILTERED_SAMPLER == "search" else sampler_kernel.sample_filtered
         # the 16-bit GPU prefill (metadata built on the device, padded rows); float32 (the tests' GPU-vs-CPU
         # runs) keeps the gather path
         dtype = model.model.embed_tokens.weight.dtype
@@ -156,7 +144,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs})
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, _decode_step's outputs)
-        self.filter_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # the same with the filtered sampler (FILTERED_GRAPHS)
+        self.filtered_graphs = filtered_graphs
         self.kv_cache: Tensor | None = None
         self.times = StepTimes()
         self.state = DecodeState(self.graph_sizes[-1], self.max_blocks_per_seq, self.vocab_size, self.device)
@@ -194,7 +182,6 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.graphs.clear()
-        self.filter_graphs.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
         self.prefill_graphs = None
@@ -376,12 +363,13 @@ class ModelRunner:
         if graph_size is None:
             token_ids, logprobs, logits, _, floors = self._decode_step(batch, needs_filter=state.needs_filter, penalty=penalty)
         else:
-            filtered = state.needs_filter and graph_size in self.filter_graphs
-            graph, (token_ids, logprobs, logits, sampling, floors) = (self.filter_graphs if filtered else self.graphs)[graph_size]
+            graph, (token_ids, logprobs, logits, sampling, floors) = self.graphs[graph_size]
             graph.replay()
-            if (state.needs_filter and not filtered) or penalty is not None:  # the graph samples plainly: resample these rows, fix their next input
+            if (state.needs_filter and not self.filtered_graphs) or penalty is not None:  # resample these rows, fix their next input
                 token_ids, logprobs, floors = self._sample(logits, replace(sampling, needs_filter=state.needs_filter, penalty=penalty))
                 state.input_ids[:batch].copy_(token_ids[:batch])
+            elif not state.needs_filter:  # a filtered graph's floors of rows that filter nothing: not asked for
+                floors = None
         state.advanced()
         return token_ids[:batch], logprobs[:batch], logits[:batch], None if floors is None else floors[:batch]
 
@@ -421,16 +409,13 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         self.state.reset()
         pool = None
-        for needs_filter, graphs in ((False, self.graphs), (True, self.filter_graphs)):
-            if needs_filter and not FILTERED_GRAPHS:
-                continue
-            for size in reversed(self.graph_sizes):
-                self._decode_step(size, needs_filter=needs_filter)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._decode_step(size, needs_filter=needs_filter)
-                pool = graph.pool()
-                graphs[size] = (graph, outputs)
+        for size in reversed(self.graph_sizes):
+            self._decode_step(size, needs_filter=self.filtered_graphs)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = self._decode_step(size, needs_filter=self.filtered_graphs)
+            pool = graph.pool()
+            self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize()
         self.state.reset()  # the warm-ups wrote sampled ids into the padded rows
 
@@ -452,10 +437,10 @@ class ModelRunner:
         repetition penalty applied first; elsewhere sampler.sample."""
         if not self.is_cuda:
             return sample(logits, sampling)
-        from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
+        from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
 
         if sampling.penalty is not None:
             logits = penalise(logits.float(), sampling.penalty)
         if sampling.needs_filter:
-            return self._sample_filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
+            return sample_filtered(logits, sampling.temperatures, sampling.top_k, sampling.top_p, sampling.min_p, sampling.keys)
         return (*sample_unfiltered(logits, sampling.temperatures, sampling.keys), None)

@@ -90,51 +90,27 @@ def test_split_decode_kernel_equals_gather_attention(splits, window, softcap):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype):
+@pytest.mark.parametrize("capacity", [0, 8, 64, 4096])
+def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype, capacity):
+    # capacity 0: every round reads the row; 8 and 64: the rounds switch to the list part way (64 holds
+    # top-k 50's bracket from the start of top-p); 4096: the whole row listed from the first round
     from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
 
-    torch.manual_seed(2)
-    rows, vocab = 6, 400
-    logits = (torch.randn(rows, vocab) * 3).to(dtype)  # bf16: many tied logits, at the thresholds too
-    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9])
-    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1])
-    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
+    torch.manual_seed(3)
+    rows, vocab = 10, 400
+    scales = torch.tensor([3.0, 3, 3, 3, 3, 3, 0.3, 8, 3, 3])
+    logits = (torch.randn(rows, vocab) * scales[:, None]).to(dtype)  # flat and peaked rows; bf16: many ties, at the thresholds too
+    logits[8, :] = logits[8, 0]  # one row of a single tied value (top-k 3 keeps the first 3 of 400 ties)
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1, 50, vocab, 3, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0, 0.9, 0.95, 0.5, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0])  # the last row filters nothing
     keys = row_keys(torch.arange(rows) * 7919, torch.full((rows,), 130))
     sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
     expected_ids, expected_logprobs, expected_floors = sample(logits, sampling)
     on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
-    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, tile=256))
+    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=128))
     assert ids.tolist() == expected_ids.tolist()
     assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
     assert torch.equal(floors.isinf(), expected_floors.isinf())  # -inf: greedy rows, rows that filter nothing
     assert torch.allclose(floors, expected_floors, atol=1e-5)  # the trainer's floor: the same kept set
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("capacity", [0, 8, 64, 4096])
-def test_filtered_search_kernel_equals_the_first_form_and_the_torch_sampler(dtype, capacity):
-    # capacity 0: every round reads the row; 8 and 64: the rounds switch to the list part way (64 holds
-    # top-k 50's bracket from the start of top-p); 4096: the whole row listed from the first round
-    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_filtered_search
-
-    torch.manual_seed(3)
-    rows, vocab = 9, 400
-    logits = (torch.randn(rows, vocab) * torch.tensor([3.0, 3, 3, 3, 3, 3, 0.3, 8, 3])[:, None]).to(dtype)  # flat and peaked rows
-    logits[8, :] = logits[8, 0]  # one row of a single tied value
-    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 1.0, 1.0])
-    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1, 50, vocab, 3])
-    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0, 0.9, 0.95, 0.5])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0])
-    keys = row_keys(torch.arange(rows) * 7919, torch.full((rows,), 130))
-    sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
-    expected_ids, expected_logprobs, expected_floors = sample(logits, sampling)
-    on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
-    first = [t.cpu() for t in sample_filtered(*on, tile=128)]
-    ids, logprobs, floors = (t.cpu() for t in sample_filtered_search(*on, capacity=capacity, tile=128))
-    assert ids.tolist() == first[0].tolist() == expected_ids.tolist()
-    assert torch.allclose(logprobs, first[1], atol=1e-6) and torch.allclose(logprobs, expected_logprobs, atol=1e-5)
-    assert torch.equal(floors.isinf(), expected_floors.isinf())
-    assert torch.allclose(floors, first[2], atol=1e-6, equal_nan=True)
-    assert torch.allclose(floors, expected_floors, atol=1e-5)

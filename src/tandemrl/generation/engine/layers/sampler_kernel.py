@@ -1,4 +1,5 @@
-"""Triton fused Gumbel-max sampling of rows without filters, the GPU path of sampler.py's `sample`.
+"""Triton fused Gumbel-max sampling, the GPU path of sampler.py's `sample`: rows without filters
+(`sample_unfiltered`), and rows with top-k, top-p or min-p (`sample_filtered`: thresholds searched, no sort).
 
 Legend: B rows, V vocab. Same noise hash as sampler.py (lowbias32), so both paths draw the same tokens.
 Imported only on CUDA; tests/gpu checks it against sampler.py.
@@ -121,15 +122,9 @@ def _key32(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _order_key(x, SHIFT: tl.constexpr):
-    # _key32 widened to int64 (the first form's keys: a bisection's midpoint never overflows)
-    return _key32(x, SHIFT).to(tl.int64)
-
-
-@triton.jit
 def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr):
-    # both filtered kernels' start of a row: its sampling settings (greedy rows are not filtered, as
-    # sampler.sample), then pass 1: the largest logit and the smallest and largest keys (int64)
+    # a filtered row's start: its sampling settings (greedy rows are not filtered, as sampler.sample), then
+    # pass 1: the largest logit and the smallest and largest keys (int64)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
@@ -142,7 +137,7 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        key = _order_key(x, SHIFT)
+        key = _key32(x, SHIFT).to(tl.int64)  # widened: a bisection's midpoint of float32 keys never overflows
         run_max = tl.maximum(run_max, x)
         key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
         key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
@@ -166,32 +161,18 @@ def _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass):
 
 
 @triton.jit
-def _mass_at_or_above(row_ptr, V, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr):
-    # (count, sum of exp((x - top) / T)) of the row's logits whose key is >= threshold: one pass
-    count = tl.zeros([TILE], tl.int32)
-    mass = tl.zeros([TILE], tl.float32)
-    for start in range(0, V, TILE):
-        v = start + tl.arange(0, TILE)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        above = (_order_key(x, SHIFT) >= threshold) & (v < V)
-        count += above.to(tl.int32)
-        mass += tl.where(above, tl.exp((x - top) * inv_temp), 0.0)
-    return tl.sum(count, 0), tl.sum(mass, 0)
-
-
-@triton.jit
 def _draw_kept(
-    row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-    SHIFT: tl.constexpr, TILE: tl.constexpr, KEY32: tl.constexpr,
+    row_ptr, row, V, lo, keep_tied, tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
+    SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    # both filtered kernels' last pass over a row, once its threshold key lo is known (the logits whose key is
-    # above lo stay, and of those whose key is lo the first keep_tied): min-p, then Gumbel-max among the kept,
-    # their mass, the lowest kept and highest excluded logit; stores the token, its logprob under the kept
-    # set and the floor. KEY32: the keys as _key32 makes them (lo within int32), else _order_key's
+    # the last pass over a row, once its threshold key lo is known (the logits whose key is above lo stay, and
+    # of those whose key is lo the first keep_tied): min-p, then Gumbel-max among the kept, their mass, the
+    # lowest kept and highest excluded logit; stores the token, its logprob under the kept set and the floor.
+    # tied: at least how many keys are lo; only where keep_tied is less are the ties ranked (a scan a tile)
     greedy = temp == 0.0
     key_seed = tl.load(keys_ptr + row).to(tl.uint32)
-    if KEY32:
-        lo = lo.to(tl.int32)
+    lo = lo.to(tl.int32)
+    partial = keep_tied < tied
     tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
     kept_mass = tl.zeros([TILE], tl.float32)
     kept_min = tl.full([TILE], float("inf"), tl.float32)
@@ -203,16 +184,16 @@ def _draw_kept(
         v = start + tl.arange(0, TILE)
         valid = v < V
         x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
-        if KEY32:
-            key = _key32(x, SHIFT)
-        else:
-            key = _order_key(x, SHIFT)
+        key = _key32(x, SHIFT)
         z = (x - top) * inv_temp
         e = tl.exp(z)
-        tie = (key == lo) & valid
-        rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
-        tied_before += tl.sum(tie.to(tl.int32), 0)
-        keep = valid & ((key > lo) | (tie & (rank < keep_tied))) & (e >= min_p)
+        stays = valid & (key >= lo)
+        if partial:  # a threshold inside a tie: its first keep_tied stay, as a stable sort would keep
+            tie = (key == lo) & valid
+            rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+            tied_before += tl.sum(tie.to(tl.int32), 0)
+            stays = valid & ((key > lo) | (tie & (rank < keep_tied)))
+        keep = stays & (e >= min_p)
         kept_mass += tl.where(keep, e, 0.0)
         kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
         excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
@@ -234,80 +215,6 @@ def _draw_kept(
     low, high = tl.min(kept_min, 0), tl.max(excluded_max, 0)
     filters = ((top_k < V) | (top_p < 1.0) | (min_p > 0.0)) & (temp != 0.0) & (high > float("-inf"))
     tl.store(floors_ptr + row, tl.where(filters, (low * inv_temp + high * inv_temp) * 0.5, float("-inf")))
-
-
-@triton.jit
-def _sample_filtered_kernel(
-    logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-    stride_b, V, SHIFT: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
-    # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order, found by
-    # bisection over the keys with one pass over the row a round (no sort); then one pass draws the
-    # Gumbel-max sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable
-    # sort would (sampler.filter_logits).
-    # (One program on purpose: the searches and the draw share the row's max, keys and running sums in
-    # registers. The first pass (_row_start) and the last (_draw_kept) are the second form's too.)
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row * stride_b
-    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
-    key_top = hi
-    # F(t) = (count, mass) of keys >= t, non-increasing in t; the search keeps F(lo) in (lo_count, lo_mass)
-    # and F(hi + 1) in (above_count, above_mass)
-    lo_count, lo_mass = _mass_at_or_above(row_ptr, V, lo, top, inv_temp, SHIFT, TILE)
-    above_count = lo_count * 0
-    above_mass = lo_mass * 0.0
-    if (top_k < V) & (temp != 0.0):  # the largest key with at least top_k logits at or above it
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
-            if count >= top_k:
-                lo, lo_count, lo_mass = mid, count, mass
-            else:
-                hi, above_count, above_mass = mid - 1, count, mass
-        lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
-        lo_count = top_k.to(tl.int32)
-    if (top_p < 1.0) & (temp != 0.0):  # the largest key whose logits at or above it reach top_p of the mass
-        target = top_p * lo_mass
-        hi, above_count, above_mass = key_top, above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            count, mass = _mass_at_or_above(row_ptr, V, mid, top, inv_temp, SHIFT, TILE)
-            if mass >= target:
-                lo, lo_count, lo_mass = mid, count, mass
-            else:
-                hi, above_count, above_mass = mid - 1, count, mass
-        lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
-    keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
-    _draw_kept(
-        row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-        SHIFT, TILE, False,
-    )  # fmt: skip
-
-
-def sample_filtered(
-    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, tile: int = 2048, num_warps: int = 16
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
-    order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
-    halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
-
-    Cost: a row of V logits is read 3 times, plus once per bisection round of each filter it uses (about
-    the log2 of its distinct logit values: ~11 for bf16 logits, ~30 for float32), never sorted. Each pass
-    keeps per-lane sums and reduces them once; testing 16 thresholds a pass (fewer passes, a reduction per
-    tile) measured slower on an H200 (bench/decode.py --only sampler)."""
-    batch, vocab_size = logits.shape
-    shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    floors = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _sample_filtered_kernel[(batch,)](
-        logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors,
-        logits.stride(0), vocab_size, SHIFT=shift, TILE=tile, num_warps=num_warps,
-    )  # fmt: skip
-    return tokens, logprobs, floors
-
-
-# --- the filtered sampler, second form: fewer and narrower passes (a candidate; bench/decode.py --only sampler times both)
 
 
 @triton.jit
@@ -383,14 +290,18 @@ def _search(
 
 
 @triton.jit
-def _sample_filtered_search_kernel(
+def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
     stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    # _sample_filtered_kernel's thresholds, tokens, logprobs and floors with less work a row: int32 keys; the
-    # row's total mass only where top-p needs it; top-k's rounds count without exp (the masses at its
-    # threshold in one pass after, where top-p follows); each search reads a list of the keys left inside its
-    # bracket once they fit in CAPACITY (top-p after top-k: the top k, from its first round) instead of the row
+    # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (int32 keys),
+    # found by bisection (_search: a pass over the row a round, no sort); then one pass draws the Gumbel-max
+    # sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable sort would
+    # (sampler.filter_logits). The row's total mass only where top-p needs it; top-k's rounds count without
+    # exp (the masses at its threshold in one pass after, where top-p follows); each search reads a list of
+    # the keys left inside its bracket once they fit in CAPACITY (top-p after top-k: the top k, from its first
+    # round) instead of the row. (One program on purpose: the searches and the draw share the row's max,
+    # keys and running sums in registers.)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     list_ptr = lists_ptr + row * CAPACITY
@@ -426,26 +337,33 @@ def _sample_filtered_search_kernel(
         )  # fmt: skip
         lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
+    tied = lo_raw - above_count  # at least as many keys are lo (exactly, once a search has closed on lo)
     _draw_kept(
-        row_ptr, row, V, lo, keep_tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-        SHIFT, TILE, True,
+        row_ptr, row, V, lo, keep_tied, tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
+        SHIFT, TILE,
     )  # fmt: skip
 
 
-def sample_filtered_search(
+def sample_filtered(
     logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 4096, tile: int = 2048,
     num_warps: int = 16,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`sample_filtered`'s results (the same tokens, logprobs and floors) with less work a row: see
-    `_sample_filtered_search_kernel`. capacity: how many logits a row's bracket may hold to be searched from a
-    list (float32 scratch of [B, capacity]); 0: never, every round reads the row."""
+    """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
+    order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
+    halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
+
+    Cost: a row of V logits is read twice (its max and key range; the draw), once more for top-p's total
+    mass, and once per bisection round of each filter it uses (about the log2 of its distinct logit values:
+    ~11 for bf16 logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32
+    scratch of [B, capacity]; 0: never): later rounds read that list. Never sorted. tile, num_warps: one
+    program's tile of the row and its warps (bench/decode.py --only sampler --sweep)."""
     batch, vocab_size = logits.shape
     shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     floors = torch.empty(batch, dtype=torch.float32, device=logits.device)
     lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
-    _sample_filtered_search_kernel[(batch,)](
+    _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
         logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, num_warps=num_warps,
     )  # fmt: skip

@@ -345,7 +345,7 @@ def _sample_filtered_kernel(
 
 
 def sample_filtered(
-    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 4096, tile: int = 2048,
+    logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 16384, tile: int = 4096,
     num_warps: int = 16,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
@@ -356,7 +356,9 @@ def sample_filtered(
     mass, and once per bisection round of each filter it uses (about the log2 of its distinct logit values:
     ~11 for bf16 logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32
     scratch of [B, capacity]; 0: never): later rounds read that list. Never sorted. tile, num_warps: one
-    program's tile of the row and its warps (bench/decode.py --only sampler --sweep)."""
+    program's tile of the row and its warps. The defaults were the fastest of bench/decode.py --only sampler
+    --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last defaults, 2048 and
+    4096; figures: bench/RESULTS.md)."""
     batch, vocab_size = logits.shape
     shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)

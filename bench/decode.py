@@ -9,19 +9,15 @@ checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits
 Gumbel-max kernel), filtered (the threshold-search kernel, checked against the torch sampler; with `--sweep`
 also its tile, warps and list capacity at 256 rows) with top_p / top_k / min_p, and the
 torch reference (a full sort), with the filtered/unfiltered ratio. Matmul (`--only matmul`): each layer
-projection of the decode step at 128, 256 and 512 rows (the widths of WIDTHS named in --models: Qwen2.5
-0.5B / 1.5B / 7B, Mistral-7B, OLMo-2-1B, SmolLM3-3B) as the engine calls it (cuBLAS, F.linear on a [out, in]
-weight) and as the Triton decode GEMM (layers/gemm_kernel.py decode_linear) with each of its
-candidate_configs (at most --configs), each checked against F.linear within bf16 (mismatches skipped and
-listed): cuBLAS's time, the best config and its time, each as weight bytes a second against the copy
-bandwidth, and `ratio ... cuBLAS / best triton`; for gate_up also cuBLAS + the engine's activation kernel
-(activation.gated, silu) against the fused gated decode GEMM, and per model and rows the layer's four
-projections together (the 128-row matmuls lose to the bandwidth limit: bench/RESULTS.md, Mistral-7B's
-profile).
+projection of the decode step at 128 and 512 rows (Qwen2.5 0.5B / 1.5B / 7B widths, and Mistral-7B's with
+--models mistral-7b), as the engine calls it (F.linear on a [out, in] weight) and on the same weight stored
+[in, out] (x @ w), which cuBLAS serves with other kernels: the weight bytes each moves per second against the
+copy bandwidth, and the ratio of the two layouts (where the 128-row matmuls lose to the bandwidth limit:
+bench/RESULTS.md, Mistral-7B's profile).
 
     python bench/decode.py --sweep
     python bench/decode.py --only sampler
-    python bench/decode.py --only matmul --models 0.5b,7b,mistral-7b,olmo2-1b,smollm3-3b
+    python bench/decode.py --only matmul --models 0.5b,7b,mistral-7b
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ from triton.testing import do_bench
 HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
 OLD = dict(splits=1, tile=64, num_warps=4, num_stages=3)
 # hidden size, query heads x head dim, key/value heads x head dim, MLP width: the decode step's four projections
-WIDTHS = {"0.5b": (896, 896, 128, 4864), "1.5b": (1536, 1536, 256, 8960), "7b": (3584, 3584, 512, 18944), "mistral-7b": (4096, 4096, 1024, 14336),
-          "olmo2-1b": (2048, 2048, 2048, 8192), "smollm3-3b": (2048, 2048, 512, 11008)}  # fmt: skip
+WIDTHS = {"0.5b": (896, 896, 128, 4864), "1.5b": (1536, 1536, 256, 8960), "7b": (3584, 3584, 512, 18944), "mistral-7b": (4096, 4096, 1024, 14336)}
 
 
 def copy_bandwidth() -> float:
@@ -158,91 +153,26 @@ def sampler(args) -> None:
                 print(json.dumps({"sampler_sweep": name, "tile": tile, "num_warps": warps, "capacity": capacity, "ms": round(ms, 4)}), flush=True)
 
 
-def _config_name(c: dict) -> str:
-    return f"m{c['block_m']}n{c['block_n']}k{c['block_k']}s{c['split_k']}w{c['num_warps']}p{c['num_stages']}"
-
-
-def sweep_decode_linear(call, reference, configs: list[dict]) -> tuple[list, list, list]:
-    """Each config of decode_linear (`call(config)`) checked against the reference within bf16 (before and
-    after its timing: split-K's counters must be left as found), then timed: (sorted [(ms, config)],
-    mismatched names, failed names: a config past the shared memory or registers of the device)."""
-    timed, mismatched, failed = [], [], []
-    for config in configs:
-        try:
-            first = call(config)
-        except Exception as exc:  # noqa: BLE001 - skipped, reported
-            failed.append(f"{_config_name(config)}: {repr(exc)[:80]}")
-            continue
-        if not torch.allclose(first.float(), reference, atol=2e-2, rtol=2e-2):
-            mismatched.append(_config_name(config))
-            continue
-        ms = do_bench(lambda: call(config), warmup=10, rep=50, return_mode="median")
-        if not torch.allclose(call(config).float(), reference, atol=2e-2, rtol=2e-2):
-            mismatched.append(_config_name(config) + " (after timing)")
-            continue
-        timed.append((ms, config))
-    timed.sort(key=lambda t: t[0])
-    return timed, mismatched, failed
-
-
 def matmul(args, bandwidth: float) -> None:
-    import time
-
     import torch.nn.functional as F
 
-    from tandemrl.generation.engine.layers import gemm_kernel
-    from tandemrl.generation.engine.layers.activation import gated
-    from tandemrl.generation.engine.layers.gemm_kernel import candidate_configs, decode_linear
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    began = time.perf_counter()
-    for shape, rows in itertools.product([m for m in args.models.split(",") if m in WIDTHS], (128, 256, 512)):
+    for shape, rows in itertools.product([m for m in args.models.split(",") if m in WIDTHS], (128, 512)):
         hidden, q, kv, inner = WIDTHS[shape]
-        layer = {"cublas": 0.0, "triton": 0.0}  # the four projections and the activation, each side's best
         for name, (n_in, n_out) in {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}.items():
             x = torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16)
             weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) * n_in**-0.5  # [out, in], as the engine holds it
+            stored_in_out = weight.t().contiguous()  # [in, out]
+            linear = do_bench(lambda: F.linear(x, weight), warmup=25, rep=200, return_mode="median")
+            in_out = do_bench(lambda: x @ stored_in_out, warmup=25, rep=200, return_mode="median")
+            same = torch.allclose(F.linear(x, weight).float(), (x @ stored_in_out).float(), atol=2e-2, rtol=2e-2)
             weight_bytes = weight.numel() * 2
-            reference = F.linear(x, weight)
-            cublas = do_bench(lambda: F.linear(x, weight), warmup=10, rep=50, return_mode="median")
-            configs = candidate_configs(rows, n_out, n_in, num_sms=sms, limit=args.configs)
-            timed, mismatched, failed = sweep_decode_linear(lambda c: decode_linear(x, weight, **c), reference.float(), configs)
             row = {"model": shape, "rows": rows, "projection": name, "in": n_in, "out": n_out, "weight_MB": round(weight_bytes / 1e6, 1),
-                   "cublas_ms": round(cublas, 4), "cublas_fraction_of_copy": round(weight_bytes / (cublas / 1e3) / bandwidth, 3),
-                   "candidates": len(configs), "mismatched": mismatched, "failed": failed}  # fmt: skip
-            best = timed[0][0] if timed else math.inf
-            if timed:
-                row.update(best=timed[0][1], best_ms=round(best, 4), best_fraction_of_copy=round(weight_bytes / (best / 1e3) / bandwidth, 3),
-                           top=[[_config_name(c), round(ms, 4)] for ms, c in timed[:4]])  # fmt: skip
+                   "linear_ms": round(linear, 4), "in_out_ms": round(in_out, 4), "same_within_bf16": same}  # fmt: skip
+            row["linear_fraction_of_copy"] = round(weight_bytes / (linear / 1e3) / bandwidth, 3)
+            row["in_out_fraction_of_copy"] = round(weight_bytes / (in_out / 1e3) / bandwidth, 3)
             print(json.dumps(row), flush=True)
-            print(f"ratio matmul {shape} {name} rows={rows}: cuBLAS / best triton = {cublas / best:.2f}x" if timed else
-                  f"ratio matmul {shape} {name} rows={rows}: no triton config matched", flush=True)  # fmt: skip
-            layer["cublas"] += cublas
-            if name != "gate_up":
-                layer["triton"] += best
-            else:  # the engine's matmul then activation kernel, against the fused gated kernel
-                act_reference = gated(reference, "silu").float()
-                unfused = do_bench(lambda: gated(F.linear(x, weight), "silu"), warmup=10, rep=50, return_mode="median")
-                configs = candidate_configs(rows, n_out, n_in, gated=True, num_sms=sms, limit=args.configs)
-                fused, mismatched, failed = sweep_decode_linear(lambda c: decode_linear(x, weight, gated="silu", **c), act_reference, configs)
-                fused_best = fused[0][0] if fused else math.inf
-                row = {"model": shape, "rows": rows, "projection": "gate_up+silu", "cublas_and_gated_ms": round(unfused, 4),
-                       "cublas_and_gated_fraction_of_copy": round(weight_bytes / (unfused / 1e3) / bandwidth, 3),
-                       "candidates": len(configs), "mismatched": mismatched, "failed": failed}  # fmt: skip
-                if fused:
-                    row.update(best=fused[0][1], best_ms=round(fused_best, 4), best_fraction_of_copy=round(weight_bytes / (fused_best / 1e3) / bandwidth, 3),
-                               top=[[_config_name(c), round(ms, 4)] for ms, c in fused[:4]])  # fmt: skip
-                print(json.dumps(row), flush=True)
-                print(f"ratio matmul {shape} gate_up+silu rows={rows}: cuBLAS + gated / best fused triton = {unfused / fused_best:.2f}x" if fused else
-                      f"ratio matmul {shape} gate_up+silu rows={rows}: no fused config matched", flush=True)  # fmt: skip
-                layer["cublas"] += unfused - cublas  # the activation kernel, as the engine runs it
-                layer["triton"] += min(best + unfused - cublas, fused_best)  # the better of best + activation, fused
-            del x, weight, reference
-            gemm_kernel._WORKSPACES.clear()  # the split-K partials of this shape
-            torch.cuda.empty_cache()
-        print(f"ratio matmul {shape} layer rows={rows}: cuBLAS / best triton (qkv, o, gate_up + silu, down) = {layer['cublas'] / layer['triton']:.2f}x "
-              f"({layer['cublas'] * 1e3:.1f} / {layer['triton'] * 1e3:.1f} us)", flush=True)  # fmt: skip
-    print(json.dumps({"matmul_seconds": round(time.perf_counter() - began, 1)}), flush=True)
+            print(f"ratio matmul {shape} {name} rows={rows}: F.linear [out, in] / x @ [in, out] time = {linear / in_out:.2f}x", flush=True)
+            del x, weight, stored_in_out
 
 
 def main() -> None:
@@ -250,7 +180,6 @@ def main() -> None:
     parser.add_argument("--only", default="attention,sampler", help="attention, sampler, matmul")
     parser.add_argument("--models", default="0.5b,1.5b,7b")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--configs", type=int, default=12, help="matmul: decode_linear configs timed per projection")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "device": torch.cuda.get_device_name()}), flush=True)

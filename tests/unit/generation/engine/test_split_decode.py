@@ -90,26 +90,29 @@ def test_split_decode_kernel_equals_gather_attention(splits, window, softcap):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("capacity", [0, 8, 64, 4096])
-def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype, capacity):
+@pytest.mark.parametrize("capacity, probes", [(0, 16), (8, 2), (64, 16), (4096, 4)])
+def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype, capacity, probes):
     # capacity 0: every round reads the row; 8 and 64: the rounds switch to the list part way (64 holds
-    # top-k 50's bracket from the start of top-p); 4096: the whole row listed from the first round
+    # top-k 50's bracket from the start of top-p); 4096: the whole row listed from the first round. probes:
+    # top-p alone's first bracket (any number gives the same thresholds)
     from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
 
     torch.manual_seed(3)
-    rows, vocab = 10, 400
-    scales = torch.tensor([3.0, 3, 3, 3, 3, 3, 0.3, 8, 3, 3])
+    rows, vocab = 13, 400
+    scales = torch.tensor([3.0, 3, 3, 3, 3, 3, 0.3, 8, 3, 3, 3, 0.5, 3])
     logits = (torch.randn(rows, vocab) * scales[:, None]).to(dtype)  # flat and peaked rows; bf16: many ties, at the thresholds too
     logits[8, :] = logits[8, 0]  # one row of a single tied value (top-k 3 keeps the first 3 of 400 ties)
-    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0])
-    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1, 50, vocab, 3, vocab])
-    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0, 0.9, 0.95, 0.5, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0])  # the last row filters nothing
+    logits[10, :] = logits[10, 0]  # the same, top-p alone
+    logits[12, ::3] = float("-inf")  # masked tokens (a padded vocab), top-p alone
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8])
+    top_k = torch.tensor([5, 50, vocab, 7, vocab, 1, 50, vocab, 3, vocab, vocab, vocab, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 1.0, 1.0, 0.9, 0.95, 0.5, 1.0, 0.5, 0.9, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])  # row 9 filters nothing
     keys = row_keys(torch.arange(rows) * 7919, torch.full((rows,), 130))
     sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
     expected_ids, expected_logprobs, expected_floors = sample(logits, sampling)
     on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
-    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=128))
+    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=128, probes=probes, sub=64))
     assert ids.tolist() == expected_ids.tolist()
     assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
     assert torch.equal(floors.isinf(), expected_floors.isinf())  # -inf: greedy rows, rows that filter nothing

@@ -7,7 +7,7 @@ warps, stages, programs per SM -> splits) at two sizes, then the best few and th
 (one program per sequence and KV head: splits 1, tile 64, 4 warps, 3 stages) at every size, each
 checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
 Gumbel-max kernel), filtered (the threshold-search kernel, checked against the torch sampler; with `--sweep`
-also its tile, warps, list capacity and top-p's probes at 256 rows) with top_p / top_k / min_p, and the
+also its tile, warps and list capacity at 256 rows) with top_p / top_k / min_p, and the
 torch reference (a full sort), with the filtered/unfiltered ratio. Matmul (`--only matmul`): each layer
 projection of the decode step at 128 and 512 rows (Qwen2.5 0.5B / 1.5B / 7B widths, and Mistral-7B's with
 --models mistral-7b), as the engine calls it (F.linear on a [out, in] weight) and on the same weight stored
@@ -151,10 +151,6 @@ def sampler(args) -> None:
                 call = lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, capacity=capacity, tile=tile, num_warps=warps)  # noqa: E731
                 ms = do_bench(call, warmup=5, rep=50, return_mode="median")
                 print(json.dumps({"sampler_sweep": name, "tile": tile, "num_warps": warps, "capacity": capacity, "ms": round(ms, 4)}), flush=True)
-        top_k, top_p, min_p = torch.full((256,), vocab, device="cuda"), torch.full((256,), 0.9, device="cuda"), torch.zeros(256, device="cuda")
-        for probes, sub in itertools.product((8, 16, 32), (256, 512)):  # top-p alone's first pass (sampler_kernel._probe)
-            ms = do_bench(lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, probes=probes, sub=sub), warmup=5, rep=50, return_mode="median")
-            print(json.dumps({"sampler_sweep": "top_p=0.9", "probes": probes, "sub": sub, "ms": round(ms, 4)}), flush=True)
 
 
 def matmul(args, bandwidth: float) -> None:

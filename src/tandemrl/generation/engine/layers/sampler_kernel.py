@@ -124,7 +124,7 @@ def _key32(x, SHIFT: tl.constexpr):
 @triton.jit
 def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # a filtered row's start: its sampling settings (greedy rows are not filtered, as sampler.sample), then
-    # pass 1: the largest logit, the smallest and largest keys (int64), and the finite logits' mean and std
+    # pass 1: the largest logit and the smallest and largest keys (int64)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
@@ -134,9 +134,6 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
     run_max = tl.full([TILE], float("-inf"), tl.float32)
     key_min = tl.full([TILE], 2**40, tl.int64)
     key_max = tl.full([TILE], -(2**40), tl.int64)
-    total = tl.zeros([TILE], tl.float32)
-    squares = tl.zeros([TILE], tl.float32)
-    finite = tl.zeros([TILE], tl.int32)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
@@ -144,14 +141,7 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
         run_max = tl.maximum(run_max, x)
         key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
         key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
-        seen = (v < V) & (x > float("-inf")) & (x < float("inf"))
-        total += tl.where(seen, x, 0.0)
-        squares += tl.where(seen, x * x, 0.0)
-        finite += seen.to(tl.int32)
-    n = tl.maximum(tl.sum(finite, 0), 1).to(tl.float32)
-    mean = tl.sum(total, 0) / n
-    std = tl.sqrt(tl.maximum(tl.sum(squares, 0) / n - mean * mean, 0.0))
-    return temp, inv_temp, top_k, top_p, min_p, tl.max(run_max, 0), tl.min(key_min, 0), tl.max(key_max, 0), mean, std
+    return temp, inv_temp, top_k, top_p, min_p, tl.max(run_max, 0), tl.min(key_min, 0), tl.max(key_max, 0)
 
 
 @triton.jit
@@ -244,42 +234,6 @@ def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: 
 
 
 @triton.jit
-def _probe(
-    row_ptr, V, lo, hi, lo_raw, mean, std, top, inv_temp, top_p, SHIFT: tl.constexpr, SUB: tl.constexpr, PROBES: tl.constexpr,
-):  # fmt: skip
-    # top-p alone's first pass: the row's total mass and F = (count, mass of keys >= t) at PROBES keys t, placed
-    # where a normal row (the logits' mean and std) would have equal counts between them (a logistic's
-    # quantiles stand in for the normal's). Returns the search's start: the bracket [lo, hi] between the last
-    # probe that reaches top_p of the mass and the first that does not, with F(lo), F(hi + 1) and the target.
-    # Any probe keys would be exact (F is counted at them); these make the bracket a few % of the row, so the
-    # search lists it at once instead of bisecting the whole row for rounds.
-    j = tl.arange(0, PROBES)
-    q = (j + 1).to(tl.float32) / (PROBES + 1)
-    t = _key32(mean + std * 0.5513 * tl.log(q / (1.0 - q)), SHIFT)  # [PROBES], ascending
-    counts = tl.zeros([SUB, PROBES], tl.int32)
-    masses = tl.zeros([SUB, PROBES], tl.float32)
-    total = tl.zeros([SUB], tl.float32)
-    for start in range(0, V, SUB):
-        v = start + tl.arange(0, SUB)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        e = tl.exp((x - top) * inv_temp)
-        total += e
-        above = (_key32(x, SHIFT)[:, None] >= t[None, :]) & (v < V)[:, None]
-        counts += above.to(tl.int32)
-        masses += tl.where(above, e[:, None], 0.0)
-    total_mass = tl.sum(total, 0)
-    count, mass = tl.sum(counts, 0), tl.sum(masses, 0)
-    target = top_p * total_mass
-    reached = tl.sum((mass >= target).to(tl.int32), 0)  # F falls as t rises: the first `reached` probes reach it
-    last, first = j == reached - 1, j == reached
-    lo_mass = tl.where(reached > 0, tl.sum(tl.where(last, mass, 0.0), 0), total_mass)
-    lo_raw = tl.where(reached > 0, tl.sum(tl.where(last, count, 0), 0), lo_raw)
-    lo = tl.where(reached > 0, tl.sum(tl.where(last, t, 0), 0).to(tl.int64), lo)
-    hi = tl.where(reached < PROBES, tl.sum(tl.where(first, t, 0), 0).to(tl.int64) - 1, hi)
-    return lo, lo_raw, lo_mass, hi, tl.sum(tl.where(first, count, 0), 0), tl.sum(tl.where(first, mass, 0.0), 0), target
-
-
-@triton.jit
 def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; their count
     n = tl.sum(tl.zeros([TILE], tl.int32), 0)
@@ -338,7 +292,7 @@ def _search(
 @triton.jit
 def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
-    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, PROBES: tl.constexpr,
+    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (int32 keys),
     # found by bisection (_search: a pass over the row a round, no sort); then one pass draws the Gumbel-max
@@ -351,7 +305,7 @@ def _sample_filtered_kernel(
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     list_ptr = lists_ptr + row * CAPACITY
-    temp, inv_temp, top_k, top_p, min_p, top, lo, hi, mean, std = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
+    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
     key_top = hi
     lo_count = (V * 0 + V).to(tl.int32)  # F(lo): every logit
     lo_raw = lo_count
@@ -360,6 +314,8 @@ def _sample_filtered_kernel(
     above_mass = lo_mass
     use_k = (top_k < V) & (temp != 0.0)
     use_p = (top_p < 1.0) & (temp != 0.0)
+    if use_p & (top_k >= V):  # top-p alone: F(lo) is the whole row's mass
+        _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
     if use_k:  # the largest key with at least top_k logits at or above it
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
             row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp,
@@ -374,16 +330,9 @@ def _sample_filtered_kernel(
         lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
         lo_count = top_k.to(tl.int32)
     if use_p:  # the largest key whose logits at or above it reach top_p of the mass
-        hi, above_count, above_mass = key_top, above_count * 0, above_mass * 0.0  # F(key max + 1) = 0
-        if top_k >= V:  # top-p alone: the whole row's mass and a first bracket, in one pass
-            lo, lo_raw, lo_mass, hi, above_count, above_mass, target = _probe(
-                row_ptr, V, lo, hi, lo_raw, mean, std, top, inv_temp, top_p, SHIFT, SUB, PROBES,
-            )  # fmt: skip
-            lo_count = lo_raw
-        else:
-            target = top_p * lo_mass
+        target = top_p * lo_mass
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
-            row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, target, top, inv_temp,
+            row_ptr, list_ptr, V, lo, key_top, lo_raw, lo_count, lo_mass, above_count * 0, above_mass * 0.0, target, top, inv_temp,
             CAPACITY, True, SHIFT, TILE,
         )  # fmt: skip
         lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
@@ -397,18 +346,16 @@ def _sample_filtered_kernel(
 
 def sample_filtered(
     logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 16384, tile: int = 4096,
-    num_warps: int = 16, probes: int = 16, sub: int = 512,
+    num_warps: int = 16,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
     order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
     halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
 
-    Cost: a row of V logits is read twice (its max, key range, mean and std; the draw), and once per
-    bisection round of each filter it uses (about the log2 of its distinct logit values: ~11 for bf16
-    logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32 scratch of
-    [B, capacity]; 0: never): later rounds read that list. Top-p alone starts with one pass that sums the
-    row's mass and counts it at `probes` keys (tiles of `sub` logits), which starts its search from a bracket
-    of a few % of the row instead of the whole (_probe). Never sorted. tile, num_warps: one
+    Cost: a row of V logits is read twice (its max and key range; the draw), once more for top-p's total
+    mass, and once per bisection round of each filter it uses (about the log2 of its distinct logit values:
+    ~11 for bf16 logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32
+    scratch of [B, capacity]; 0: never): later rounds read that list. Never sorted. tile, num_warps: one
     program's tile of the row and its warps. The defaults were the fastest of bench/decode.py --only sampler
     --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last defaults, 2048 and
     4096; figures: bench/RESULTS.md)."""
@@ -420,6 +367,6 @@ def sample_filtered(
     lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
-        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, SUB=sub, PROBES=probes, num_warps=num_warps,
+        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors

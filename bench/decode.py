@@ -7,7 +7,7 @@ warps, stages, programs per SM -> splits) at two sizes, then the best few and th
 (one program per sequence and KV head: splits 1, tile 64, 4 warps, 3 stages) at every size, each
 checked against the old setting's output. Sampler: B rows of 151,936 bf16 logits; unfiltered (the fused
 Gumbel-max kernel), filtered (the threshold-search kernel, checked against the torch sampler; with `--sweep`
-also its tile and pipelining stages at 256 rows) with top_p / top_k / min_p, and the
+also its tile, warps and list capacity at 256 rows) with top_p / top_k / min_p, and the
 torch reference (a full sort), with the filtered/unfiltered ratio. Matmul (`--only matmul`): each layer
 projection of the decode step at 128 and 512 rows (Qwen2.5 0.5B / 1.5B / 7B widths, and Mistral-7B's with
 --models mistral-7b), as the engine calls it (F.linear on a [out, in] weight) and on the same weight stored
@@ -147,15 +147,10 @@ def sampler(args) -> None:
         ones, keys = torch.ones(256, device="cuda"), row_keys(torch.arange(256, device="cuda"), torch.full((256,), 5, device="cuda"))
         for name, k, p in (("top_p=0.9", vocab, 0.9), ("top_k=50", 50, 1.0)):
             top_k, top_p, min_p = torch.full((256,), k, device="cuda"), torch.full((256,), p, device="cuda"), torch.zeros(256, device="cuda")
-            # (warps 8 and 32, tiles of 1024 and a list of 4,096 logits were slower on an H200: bench/RESULTS.md)
-            for tile, stages in itertools.product((2048, 4096, 8192), (1, 2, 3, 4)):
-                call = lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, tile=tile, stages=stages)  # noqa: E731
-                try:
-                    ms = do_bench(call, warmup=5, rep=50, return_mode="median")
-                except Exception as error:  # noqa: BLE001 - a setting past the GPU's shared memory or registers is reported
-                    print(json.dumps({"sampler_sweep": name, "tile": tile, "stages": stages, "error": repr(error)[:200]}), flush=True)
-                    continue
-                print(json.dumps({"sampler_sweep": name, "tile": tile, "stages": stages, "ms": round(ms, 4)}), flush=True)
+            for tile, warps, capacity in itertools.product((1024, 2048, 4096), (8, 16, 32), (4096, 16384)):
+                call = lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, capacity=capacity, tile=tile, num_warps=warps)  # noqa: E731
+                ms = do_bench(call, warmup=5, rep=50, return_mode="median")
+                print(json.dumps({"sampler_sweep": name, "tile": tile, "num_warps": warps, "capacity": capacity, "ms": round(ms, 4)}), flush=True)
 
 
 def matmul(args, bandwidth: float) -> None:

@@ -122,7 +122,7 @@ def _key32(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr):
+def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # a filtered row's start: its sampling settings (greedy rows are not filtered, as sampler.sample), then
     # pass 1: the largest logit and the smallest and largest keys (int64)
     temp = tl.load(temps_ptr + row)
@@ -134,7 +134,7 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
     run_max = tl.full([TILE], float("-inf"), tl.float32)
     key_min = tl.full([TILE], 2**40, tl.int64)
     key_max = tl.full([TILE], -(2**40), tl.int64)
-    for start in tl.range(0, V, TILE, num_stages=STAGES):
+    for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
         key = _key32(x, SHIFT).to(tl.int64)  # widened: a bisection's midpoint of float32 keys never overflows
@@ -163,7 +163,7 @@ def _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass):
 @triton.jit
 def _draw_kept(
     row_ptr, row, V, lo, keep_tied, tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-    SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+    SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # the last pass over a row, once its threshold key lo is known (the logits whose key is above lo stay, and
     # of those whose key is lo the first keep_tied): min-p, then Gumbel-max among the kept, their mass, the
@@ -180,7 +180,7 @@ def _draw_kept(
     best_score = tl.full([TILE], float("-inf"), tl.float32)
     best_z = tl.full([TILE], float("-inf"), tl.float32)
     best_index = tl.full([TILE], -1, tl.int32)
-    for start in tl.range(0, V, TILE, num_stages=STAGES):
+    for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         valid = v < V
         x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
@@ -218,12 +218,12 @@ def _draw_kept(
 
 
 @triton.jit
-def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, MASS: tl.constexpr):
+def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr, MASS: tl.constexpr):
     # (count, sum of exp((x - top) / T)) of src[0:n] whose key is >= threshold (an int32 within the keys'
     # range); the sum only when MASS (a top-k round counts, no exp)
     count = tl.zeros([TILE], tl.int32)
     mass = tl.zeros([TILE], tl.float32)
-    for start in tl.range(0, n, TILE, num_stages=STAGES):
+    for start in range(0, n, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(src_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32)
         above = (_key32(x, SHIFT) >= threshold) & (v < n)
@@ -234,10 +234,10 @@ def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: 
 
 
 @triton.jit
-def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr):
+def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; their count
     n = tl.sum(tl.zeros([TILE], tl.int32), 0)
-    for start in tl.range(0, V, TILE, num_stages=STAGES):
+    for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
         key = _key32(x, SHIFT)
@@ -251,7 +251,7 @@ def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constex
 @triton.jit
 def _search(
     row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, goal, top, inv_temp,
-    CAPACITY: tl.constexpr, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+    CAPACITY: tl.constexpr, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # bisection for the largest key t in [lo, hi] whose F(t) = (count, mass of keys >= t) reaches goal (a count
     # when not BY_MASS, else a mass); F(lo) reaches it, F(hi + 1) = (above_count, above_mass); lo_raw: how many
@@ -269,15 +269,15 @@ def _search(
     base_mass = above_mass * 0.0
     while lo < hi:
         if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
-            n = _compact(row_ptr, V, lo.to(tl.int32), hi.to(tl.int32), list_ptr, SHIFT, TILE, STAGES)
+            n = _compact(row_ptr, V, lo.to(tl.int32), hi.to(tl.int32), list_ptr, SHIFT, TILE)
             listed = n * 0 + 1
             base_count, base_mass = above_count, above_mass
         mid = lo + (hi - lo + 1) // 2
         if listed == 1:
-            count, mass = _sums_from(list_ptr, n, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, STAGES, BY_MASS)
+            count, mass = _sums_from(list_ptr, n, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
             count, mass = count + base_count, mass + base_mass
         else:
-            count, mass = _sums_from(row_ptr, V, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, STAGES, BY_MASS)
+            count, mass = _sums_from(row_ptr, V, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
         if BY_MASS:
             reached = mass >= goal
         else:
@@ -292,7 +292,7 @@ def _search(
 @triton.jit
 def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
-    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (int32 keys),
     # found by bisection (_search: a pass over the row a round, no sort); then one pass draws the Gumbel-max
@@ -305,7 +305,7 @@ def _sample_filtered_kernel(
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * stride_b
     list_ptr = lists_ptr + row * CAPACITY
-    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE, STAGES)
+    temp, inv_temp, top_k, top_p, min_p, top, lo, hi = _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT, TILE)
     key_top = hi
     lo_count = (V * 0 + V).to(tl.int32)  # F(lo): every logit
     lo_raw = lo_count
@@ -315,16 +315,16 @@ def _sample_filtered_kernel(
     use_k = (top_k < V) & (temp != 0.0)
     use_p = (top_p < 1.0) & (temp != 0.0)
     if use_p & (top_k >= V):  # top-p alone: F(lo) is the whole row's mass
-        _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, STAGES, True)
+        _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
     if use_k:  # the largest key with at least top_k logits at or above it
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
             row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp,
-            CAPACITY, False, SHIFT, TILE, STAGES,
+            CAPACITY, False, SHIFT, TILE,
         )  # fmt: skip
         if use_p:  # the masses at and above the threshold, which top-p's target needs
-            _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, STAGES, True)
+            _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
             if lo < key_top:
-                _, above_mass = _sums_from(row_ptr, V, (lo + 1).to(tl.int32), top, inv_temp, SHIFT, TILE, STAGES, True)
+                _, above_mass = _sums_from(row_ptr, V, (lo + 1).to(tl.int32), top, inv_temp, SHIFT, TILE, True)
             else:
                 above_mass = lo_mass * 0.0
         lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
@@ -333,20 +333,20 @@ def _sample_filtered_kernel(
         target = top_p * lo_mass
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
             row_ptr, list_ptr, V, lo, key_top, lo_raw, lo_count, lo_mass, above_count * 0, above_mass * 0.0, target, top, inv_temp,
-            CAPACITY, True, SHIFT, TILE, STAGES,
+            CAPACITY, True, SHIFT, TILE,
         )  # fmt: skip
         lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
     tied = lo_raw - above_count  # at least as many keys are lo (exactly, once a search has closed on lo)
     _draw_kept(
         row_ptr, row, V, lo, keep_tied, tied, top_k, top_p, min_p, temp, top, inv_temp, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr,
-        SHIFT, TILE, STAGES,
+        SHIFT, TILE,
     )  # fmt: skip
 
 
 def sample_filtered(
     logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 16384, tile: int = 4096,
-    num_warps: int = 16, stages: int = 3,
+    num_warps: int = 16,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
     order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
@@ -356,8 +356,7 @@ def sample_filtered(
     mass, and once per bisection round of each filter it uses (about the log2 of its distinct logit values:
     ~11 for bf16 logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32
     scratch of [B, capacity]; 0: never): later rounds read that list. Never sorted. tile, num_warps: one
-    program's tile of the row and its warps; stages: the tiles each pass has in flight (its loads software-
-    pipelined through shared memory: one program per row is bound by memory latency, not bandwidth). The defaults were the fastest of bench/decode.py --only sampler
+    program's tile of the row and its warps. The defaults were the fastest of bench/decode.py --only sampler
     --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last defaults, 2048 and
     4096; figures: bench/RESULTS.md)."""
     batch, vocab_size = logits.shape
@@ -368,6 +367,6 @@ def sample_filtered(
     lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
-        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, STAGES=stages, num_warps=num_warps,
+        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors

@@ -14,6 +14,7 @@ the host's only per-step work is the replay and one wait for the sampled ids and
 from __future__ import annotations
 
 import array
+import gc
 import itertools
 import operator
 import time
@@ -407,15 +408,26 @@ class ModelRunner:
     # --- CUDA graphs ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture_graphs(self) -> None:
+        """Decode graphs of every size in graph_sizes. Python's garbage collector is off meanwhile, and the
+        capture is thread-local: an earlier engine's graphs, freed by a collection or by another thread in
+        the middle of a capture, once invalidated it on an H200 (bench/engine.py building one engine after
+        another: "operation not permitted when stream is capturing")."""
         self.state.reset()
         pool = None
-        for size in reversed(self.graph_sizes):
-            self._decode_step(size, needs_filter=self.filtered_graphs)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._decode_step(size, needs_filter=self.filtered_graphs)
-            pool = graph.pool()
-            self.graphs[size] = (graph, outputs)
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            for size in reversed(self.graph_sizes):
+                self._decode_step(size, needs_filter=self.filtered_graphs)  # warm up (Triton compiles, cuBLAS picks kernels) outside the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    outputs = self._decode_step(size, needs_filter=self.filtered_graphs)
+                pool = graph.pool()
+                self.graphs[size] = (graph, outputs)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         self.state.reset()  # the warm-ups wrote sampled ids into the padded rows
 

@@ -35,7 +35,6 @@ from tandemrl.generation.engine.scheduler import ScheduledBatch
 from tandemrl.generation.engine.sequence import Sequence
 
 
-
 HOST = torch.device("cpu")
 
 

@@ -78,5 +78,11 @@ def test_a_train_step_of_the_fast_path_equals_the_plain_path(name):
     a, b = plain.train_step(make_batch(seed=0)), fast.train_step(make_batch(seed=0))
     for key in ("loss", "entropy", "grad_norm"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
-    for p, q in zip(plain.model.parameters(), fast.model.parameters()):
-        torch.testing.assert_close(q, p, atol=1e-4, rtol=1e-4)  # Adam steps ~lr: near-zero gradients magnify round-off
+    for (param_name, p), q in zip(plain.model.named_parameters(), fast.model.parameters()):
+        # the two paths' gradients agree (the packed test's bound above); Adam divides each step by its gradient's
+        # own size, so where a gradient is near 0 (~eps, 1e-8) a round-off of 1e-10 moves the step by ~1% of the
+        # learning rate (transformers 5.25's plain path moved one element of Mistral's down_proj by 1.3e-4, its
+        # gradient 2.6e-9 against 2.8e-9): the updated parameters are compared where the gradient is not near 0
+        assert (q.grad - p.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-6, param_name
+        moved = p.grad.abs() > 1e-6
+        torch.testing.assert_close(q[moved], p[moved], atol=1e-4, rtol=1e-4)

@@ -298,13 +298,14 @@ def main() -> None:
             runs = [("ours", v, g) for v in variants if "ours" in systems for g in (graphed if v else ["auto"])]
             runs += [(s, {}, None) for s in systems if s != "ours"]
             for system, sampling, graphs in runs:
+                if system == "ours":  # named first, so that a failing variant's error line names it
+                    system += "".join(f",{k}={v}" for k, v in sampling.items()) + (f",graphs={graphs}" if sampling and len(graphed) > 1 else "")
                 try:
-                    if system == "ours":
+                    if system.startswith("ours"):
                         [(elapsed, split)] = run_ours(
                             model, [requests], max_model_len=max_len, profile=args.profile, sampling=sampling, memory=args.gpu_memory_utilization,
                             decode_graphs=graphs,
                         )  # fmt: skip
-                        system = "ours" + "".join(f",{k}={v}" for k, v in sampling.items()) + (f",graphs={graphs}" if sampling and len(graphed) > 1 else "")
                     elif system == "cb":
                         elapsed, split = run_cb(model, requests), {}
                     else:

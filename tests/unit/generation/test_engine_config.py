@@ -1,5 +1,7 @@
 """One engine leaf for `tandem train` and `tandem rollout`: one default each, one max_model_len derivation."""
 
+import pytest
+
 from tandemrl.cli.train import parse
 from tandemrl.generation.base import EngineSettings
 
@@ -25,3 +27,13 @@ def test_both_commands_take_the_engine_flags():
     for settings in (config.engine, engine):
         assert (settings.max_num_seqs, settings.block_size, settings.enforce_eager) == (7, 32, True)
         assert (settings.kv_cache_tokens, settings.max_model_len) == (1024, 99)
+
+
+def test_rollout_takes_the_decode_graphs_sampler_and_refuses_a_mistyped_one():
+    from tandemrl.cli import rollout
+
+    assert rollout.parse(["--model", "m"])[1].decode_graphs == "auto"  # the engine reads auto as plain
+    assert rollout.parse(["--model", "m", "--decode_graphs", "filtered"])[1].decode_graphs == "filtered"
+    with pytest.raises(ValueError, match="'filter' is not one of auto, plain, filtered \\(did you mean filtered\\?\\)"):
+        rollout.parse(["--model", "m", "--decode_graphs", "filter"])
+

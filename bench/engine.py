@@ -65,7 +65,7 @@ def workload(name: str, seed: int = 0) -> list[tuple[list[int], int]]:
 
 def run_ours(
     model, calls: list[list[tuple[list[int], int]]], *, max_model_len: int, profile: bool = False, sampling: dict | None = None, memory: float = 0.6,
-    decode_graphs: str = "auto",
+    decode_graphs: str = "plain",
 ) -> list[tuple[float, dict]]:
     """(seconds, step split) of each call (a list of requests), timed in turn on one engine after a warm call."""
     from tandemrl.generation.base import EngineConfig
@@ -73,7 +73,7 @@ def run_ours(
     from tandemrl.types import SamplingParams
 
     config = EngineConfig(device="cuda", gpu_memory_utilization=memory, max_num_seqs=512, max_model_len=max_model_len, max_num_batched_tokens=16384)
-    config.decode_graphs = decode_graphs if decode_graphs != "auto" else ("filtered" if SamplingParams(**(sampling or {})).filters else "plain")  # as tandem train
+    config.decode_graphs = decode_graphs
     engine = Engine(config, model=model)
 
     async def go(reqs):
@@ -276,7 +276,7 @@ def main() -> None:
         "--sampling", default="", help="';'-separated filters of every request, ours run once each, e.g. ';top_p=0.9;top_k=50' (none, then two)"
     )  # fmt: skip
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6, help="ours' share of the GPU (KV cache room)")
-    parser.add_argument("--decode_graphs", default="auto", help="each filtered --sampling variant's decode graphs: auto (filtered, as tandem train), plain, filtered, or plain,filtered (EngineSettings.decode_graphs)")
+    parser.add_argument("--decode_graphs", default="filtered", help="each filtered --sampling variant's decode graphs: filtered (what tandem train's auto picks for it), plain, or plain,filtered (EngineSettings.decode_graphs); the unfiltered run's are plain")
     args = parser.parse_args()
     variants = [{k: (int(v) if k == "top_k" else float(v)) for k, v in (kv.split("=") for kv in variant.split(",") if kv)} for variant in args.sampling.split(";")]
     args.sampling = variants[0]  # of the ctx workloads (decode steps at a context)
@@ -295,7 +295,7 @@ def main() -> None:
             max_len = max(len(p) + n for p, n in requests)
             figures = {}
             graphed = args.decode_graphs.split(",")
-            runs = [("ours", v, g) for v in variants if "ours" in systems for g in (graphed if v else ["auto"])]
+            runs = [("ours", v, g) for v in variants if "ours" in systems for g in (graphed if v else ["plain"])]
             runs += [(s, {}, None) for s in systems if s != "ours"]
             for system, sampling, graphs in runs:
                 if system == "ours":  # named first, so that a failing variant's error line names it
@@ -327,10 +327,9 @@ def main() -> None:
                 if system != "ours" and "ours" in figures:  # at once: a run cut short keeps its ratios
                     if system.startswith("ours,"):  # a filtered run against the unfiltered one
                         print(f"ratio {shape} {name} time {system}/ours = {figures['ours'] / figures[system]:.2f}", flush=True)
-                        for before, after in (("graphs=plain", "graphs=filtered"),):  # a candidate against its base
-                            if after in system and system.replace(after, before) in figures:
-                                base = system.replace(after, before)
-                                print(f"ratio {shape} {name} time {base}/{system} = {figures[system] / figures[base]:.2f}", flush=True)
+                        base = system.replace("graphs=filtered", "graphs=plain")  # the filtered graphs against the plain ones
+                        if base != system and base in figures:
+                            print(f"ratio {shape} {name} time {base}/{system} = {figures[system] / figures[base]:.2f}", flush=True)
                     else:
                         print(f"ratio {shape} {name} ours/{system} = {figures['ours'] / figures[system]:.2f}", flush=True)
         del model

@@ -337,7 +337,8 @@ class TrainConfig:
         """The run worked out once, on CPU, building nothing (plan.py). Pure: the same config, the same plan."""
         engine = _engine_sizing(self) if self.generation.rollout_mode == "colocate" and self.generation.generator == "engine" else None
         loop = _loop(self)
-        return Plan(sampling=_sampling(self), engine=engine, generator=_generator(self, engine), judge=_judge(self), loop=loop, notes=_notes(loop))
+        sampling = _sampling(self)
+        return Plan(sampling=sampling, engine=engine, generator=_generator(self, engine, sampling), judge=_judge(self), loop=loop, notes=_notes(loop))
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:
@@ -366,7 +367,7 @@ def _engine_sizing(config: TrainConfig) -> EngineSizing:
     )
 
 
-def _generator(config: TrainConfig, sizing: EngineSizing | None) -> GeneratorConfig:
+def _generator(config: TrainConfig, sizing: EngineSizing | None, sampling: SamplingParams) -> GeneratorConfig:
     """The policy's backend, per --rollout_mode and --generator; colocated on --generator_device, else --device."""
     g = config.generation
     if g.rollout_mode == "server":
@@ -379,7 +380,7 @@ def _generator(config: TrainConfig, sizing: EngineSizing | None) -> GeneratorCon
         return HFConfig(device=device, generation_kwargs=g.hf_generation_kwargs())
     settings = {**dataclasses.asdict(config.engine), **dataclasses.asdict(sizing)}
     if settings["decode_graphs"] == "auto":  # the run's own sampling decides which sampler its decode graphs hold
-        settings["decode_graphs"] = "filtered" if _sampling(config).filters else "plain"
+        settings["decode_graphs"] = "filtered" if sampling.filters else "plain"
     return EngineConfig(**settings, device=device, seed=config.run.seed)
 
 

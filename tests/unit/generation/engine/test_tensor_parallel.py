@@ -7,7 +7,9 @@ every rank (colocate: the group split from torchrun's default process group). Th
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import multiprocessing
+import os
 from datetime import timedelta
 
 import pytest
@@ -108,20 +110,31 @@ def _rank(rank: int, port: int, cases: list[tuple[str, str, bool]]) -> dict[str,
             if colocate:  # this rank's own trainer hands the same tensors over, then sleeps and wakes as the leader does
                 asyncio.run(_follow_as_trainer(engine, model_dir))
             assert engine.follow()
+            engine.release_group()  # as tandem rollout's followers do (workers._follow): never left to the exit
         if colocate:
             dist.destroy_process_group()
     return results
 
 
-def _tp2(cases: list[tuple[str, str, bool]]) -> dict[str, dict]:
+def _follow(port: int, cases: list[tuple[str, str, bool]], log_path: str) -> None:
+    """Rank 1's process: its stderr (and a Python stack on a crash) to `log_path`, for the test's message."""
+    log = open(log_path, "w")
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(log)
+    _rank(1, port, cases)
+
+
+def _tp2(cases: list[tuple[str, str, bool]], log_path: str) -> dict[str, dict]:
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    follower = multiprocessing.get_context("spawn").Process(target=_rank, args=(1, store.port, cases))
+    follower = multiprocessing.get_context("spawn").Process(target=_follow, args=(store.port, cases, log_path))
     follower.start()
     try:
         results = _rank(0, store.port, cases)
     finally:
         follower.join(60)
-    assert follower.exitcode == 0
+    if follower.exitcode != 0:  # e.g. a SIGABRT (-6): what rank 1 printed says where
+        with open(log_path) as log:
+            pytest.fail(f"rank 1 exited with {follower.exitcode}; its stderr ends:\n{log.read()[-4000:]}")
     return results
 
 
@@ -143,8 +156,9 @@ def model_dirs(family_dirs, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tp2_results(model_dirs) -> dict[str, dict]:
-    return _tp2([(name, path, name == COLOCATED) for name, path in model_dirs.items()])
+def tp2_results(model_dirs, tmp_path_factory) -> dict[str, dict]:
+    log_path = str(tmp_path_factory.mktemp("tp2") / "rank1.log")
+    return _tp2([(name, path, name == COLOCATED) for name, path in model_dirs.items()], log_path)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-kv1-odd-vocab", "phi3-longrope", "gemma2", "olmo2-kv1", "qwen3_moe"])

@@ -132,9 +132,14 @@ def _tp2(cases: list[tuple[str, str, bool]], log_path: str) -> dict[str, dict]:
         results = _rank(0, store.port, cases)
     finally:
         follower.join(60)
+        hung = follower.is_alive()
+        if hung:  # never left behind the test
+            follower.kill()
+            follower.join(10)
     if follower.exitcode != 0:  # e.g. a SIGABRT (-6): what rank 1 printed says where
+        ended = "was still running 60 s after rank 0 ended" if hung else f"exited with {follower.exitcode}"
         with open(log_path) as log:
-            pytest.fail(f"rank 1 exited with {follower.exitcode}; its stderr ends:\n{log.read()[-4000:]}")
+            pytest.fail(f"rank 1 {ended}; its stderr ends:\n{log.read()[-4000:]}")
     return results
 
 

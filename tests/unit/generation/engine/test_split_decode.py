@@ -116,3 +116,57 @@ def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype, capacity):
     assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
     assert torch.equal(floors.isinf(), expected_floors.isinf())  # -inf: greedy rows, rows that filter nothing
     assert torch.allclose(floors, expected_floors, atol=1e-5)  # the trainer's floor: the same kept set
+
+
+def _filtered_against_torch(logits, temperatures, top_k, top_p, min_p, capacity=64):
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
+
+    rows = logits.shape[0]
+    keys = row_keys(torch.arange(rows) * 104729, torch.full((rows,), 17))
+    sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
+    expected_ids, expected_logprobs, expected_floors = sample(logits, sampling)
+    on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
+    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=64))
+    assert ids.tolist() == expected_ids.tolist()
+    assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
+    assert torch.equal(floors.isinf(), expected_floors.isinf())
+    assert torch.allclose(floors, expected_floors, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filtered_sampling_kernel_ties_minus_zero_with_zero(dtype):
+    # -0.0 and 0.0 are one value to torch's sort (ties: the lower index first), though their bits differ: a
+    # threshold at zero keeps the first zeros of either sign, and a row of -0.0 and 0.0 ties throughout
+    vocab = 200
+    torch.manual_seed(5)
+    logits = torch.randn(4, vocab) * 2
+    zeros = torch.arange(0, vocab, 5)
+    logits[:2, zeros] = torch.where(torch.arange(zeros.numel()) % 2 == 0, -0.0, 0.0)  # alternating signs
+    logits[:2] = torch.where(logits[:2] > 0, logits[:2] + 4.0, logits[:2])  # the positives well above the zeros
+    logits[2] = -0.0
+    logits[2, 7::9] = 0.0
+    logits[3] = -0.0
+    positives = int((logits[0] > 0).sum())
+    top_k = torch.tensor([positives + 3, vocab, 5, 2])
+    top_p = torch.tensor([1.0, 0.999, 1.0, 0.5])
+    logits[1, zeros] = torch.where(torch.arange(zeros.numel()) % 2 == 0, 0.0, -0.0)  # row 1: the signs swapped
+    _filtered_against_torch(logits.to(dtype), torch.ones(4), top_k, top_p, torch.zeros(4))
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(6))
+def test_filtered_sampling_kernel_equals_the_torch_sampler_on_random_settings(seed):
+    # random rows (flat and peaked, bf16 ties, zeros of both signs, masked tokens) under random settings
+    generator = torch.Generator().manual_seed(seed)
+    rows, vocab = 8, 300
+    logits = torch.randn(rows, vocab, generator=generator) * torch.rand(rows, 1, generator=generator).mul(8).add(0.2)
+    logits[torch.rand(rows, vocab, generator=generator) < 0.05] = 0.0
+    logits[torch.rand(rows, vocab, generator=generator) < 0.05] = -0.0
+    logits[torch.rand(rows, vocab, generator=generator) < 0.03] = float("-inf")
+    pick = lambda choices: torch.tensor(choices)[torch.randint(len(choices), (rows,), generator=generator)]  # noqa: E731
+    temperatures = pick([0.0, 0.6, 1.0, 1.4])
+    top_k = pick([1, 2, 20, 50, vocab])
+    top_p = pick([0.3, 0.8, 0.95, 1.0])
+    min_p = pick([0.0, 0.0, 0.05, 0.2])
+    _filtered_against_torch(logits.to(torch.bfloat16), temperatures, top_k, top_p, min_p, capacity=[0, 16, 64, 4096][seed % 4])

@@ -122,9 +122,26 @@ def _key32(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _at_least(t, SHIFT: tl.constexpr):
+    # the smallest float32 whose key is >= t (_key32's inverse at the bottom of key t), so a pass compares each
+    # logit with one float (x >= _at_least(t)) instead of computing its key. Floats compare -0.0 equal to 0.0,
+    # as torch's sort does (their keys differ: -1 and 0; no logit lies between them, so F(-1) = F(0)); past
+    # the largest key (+inf's) it is NaN, which no logit reaches. -inf's key also holds NaN bit patterns below
+    # -inf's own (the bits flipped: -inf is 0x807FFFFF), so its bottom is clamped to -inf
+    low = tl.maximum(t.to(tl.int32) << SHIFT, -2139095041)
+    return tl.where(low < 0, low ^ 0x7FFFFFFF, low).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_of(x, SHIFT: tl.constexpr):
+    # one float's key, -0.0 read as 0.0 (a row's range starts and ends at keys the searches can land on)
+    return _key32(tl.where(x == 0.0, 0.0, x), SHIFT).to(tl.int64)
+
+
+@triton.jit
 def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # a filtered row's start: its sampling settings (greedy rows are not filtered, as sampler.sample), then
-    # pass 1: the largest logit and the smallest and largest keys (int64)
+    # pass 1: the largest and smallest logits, and their keys (int64: a bisection's midpoint never overflows)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
@@ -132,16 +149,14 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
     run_max = tl.full([TILE], float("-inf"), tl.float32)
-    key_min = tl.full([TILE], 2**40, tl.int64)
-    key_max = tl.full([TILE], -(2**40), tl.int64)
+    run_min = tl.full([TILE], float("inf"), tl.float32)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        key = _key32(x, SHIFT).to(tl.int64)  # widened: a bisection's midpoint of float32 keys never overflows
         run_max = tl.maximum(run_max, x)
-        key_min = tl.minimum(key_min, tl.where(v < V, key, 2**40))
-        key_max = tl.maximum(key_max, tl.where(v < V, key, -(2**40)))
-    return temp, inv_temp, top_k, top_p, min_p, tl.max(run_max, 0), tl.min(key_min, 0), tl.max(key_max, 0)
+        run_min = tl.minimum(run_min, tl.where(v < V, x, float("inf")))
+    top = tl.max(run_max, 0)
+    return temp, inv_temp, top_k, top_p, min_p, top, _key_of(tl.min(run_min, 0), SHIFT), _key_of(top, SHIFT)
 
 
 @triton.jit
@@ -171,7 +186,8 @@ def _draw_kept(
     # tied: at least how many keys are lo; only where keep_tied is less are the ties ranked (a scan a tile)
     greedy = temp == 0.0
     key_seed = tl.load(keys_ptr + row).to(tl.uint32)
-    lo = lo.to(tl.int32)
+    at_lo = _at_least(lo, SHIFT)
+    above_lo = _at_least(lo + 1, SHIFT)
     partial = keep_tied < tied
     tied_before = tl.sum(tl.zeros([TILE], tl.int32), 0)
     kept_mass = tl.zeros([TILE], tl.float32)
@@ -184,15 +200,14 @@ def _draw_kept(
         v = start + tl.arange(0, TILE)
         valid = v < V
         x = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
-        key = _key32(x, SHIFT)
         z = (x - top) * inv_temp
         e = tl.exp(z)
-        stays = valid & (key >= lo)
+        stays = valid & (x >= at_lo)
         if partial:  # a threshold inside a tie: its first keep_tied stay, as a stable sort would keep
-            tie = (key == lo) & valid
+            tie = stays & ~(x >= above_lo)
             rank = tied_before + tl.cumsum(tie.to(tl.int32), 0) - 1
             tied_before += tl.sum(tie.to(tl.int32), 0)
-            stays = valid & ((key > lo) | (tie & (rank < keep_tied)))
+            stays = valid & ((x >= above_lo) | (tie & (rank < keep_tied)))
         keep = stays & (e >= min_p)
         kept_mass += tl.where(keep, e, 0.0)
         kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
@@ -219,29 +234,34 @@ def _draw_kept(
 
 @triton.jit
 def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr, MASS: tl.constexpr):
-    # (count, sum of exp((x - top) / T)) of src[0:n] whose key is >= threshold (an int32 within the keys'
-    # range); the sum only when MASS (a top-k round counts, no exp)
+    # (count, sum of exp((x - top) / T)) of src[0:n] whose key is >= threshold (a key within the row's
+    # range); the sum only when MASS (a top-k round counts, no exp). Compares floats (_at_least), the tail
+    # past n loaded as NaN, which compares false; the exp as exp2 of (x - top) * scale (not an FMA of x * scale -
+    # top * scale: the logits tied with the top must weigh exactly 1, or a tie's share comes out one off)
+    at = _at_least(threshold, SHIFT)
+    scale = inv_temp * 1.4426950408889634  # log2(e)
     count = tl.zeros([TILE], tl.int32)
     mass = tl.zeros([TILE], tl.float32)
     for start in range(0, n, TILE):
         v = start + tl.arange(0, TILE)
-        x = tl.load(src_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32)
-        above = (_key32(x, SHIFT) >= threshold) & (v < n)
+        x = tl.load(src_ptr + v, mask=v < n, other=float("nan")).to(tl.float32)
+        above = x >= at
         count += above.to(tl.int32)
         if MASS:
-            mass += tl.where(above, tl.exp((x - top) * inv_temp), 0.0)
+            mass += tl.where(above, tl.exp2((x - top) * scale), 0.0)
     return tl.sum(count, 0), tl.sum(mass, 0)
 
 
 @triton.jit
 def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
     # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; their count
+    at_lo = _at_least(lo, SHIFT)
+    above_hi = _at_least(hi + 1, SHIFT)
     n = tl.sum(tl.zeros([TILE], tl.int32), 0)
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        key = _key32(x, SHIFT)
-        inside = (key >= lo) & (key <= hi) & (v < V)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("nan")).to(tl.float32)
+        inside = (x >= at_lo) & ~(x >= above_hi)  # (not x < above_hi: NaN there must stay out)
         at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(list_ptr + at, x, mask=inside)
         n += tl.sum(inside.to(tl.int32), 0)
@@ -269,15 +289,15 @@ def _search(
     base_mass = above_mass * 0.0
     while lo < hi:
         if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
-            n = _compact(row_ptr, V, lo.to(tl.int32), hi.to(tl.int32), list_ptr, SHIFT, TILE)
+            n = _compact(row_ptr, V, lo, hi, list_ptr, SHIFT, TILE)
             listed = n * 0 + 1
             base_count, base_mass = above_count, above_mass
         mid = lo + (hi - lo + 1) // 2
         if listed == 1:
-            count, mass = _sums_from(list_ptr, n, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
+            count, mass = _sums_from(list_ptr, n, mid, top, inv_temp, SHIFT, TILE, BY_MASS)
             count, mass = count + base_count, mass + base_mass
         else:
-            count, mass = _sums_from(row_ptr, V, mid.to(tl.int32), top, inv_temp, SHIFT, TILE, BY_MASS)
+            count, mass = _sums_from(row_ptr, V, mid, top, inv_temp, SHIFT, TILE, BY_MASS)
         if BY_MASS:
             reached = mass >= goal
         else:
@@ -294,8 +314,9 @@ def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
     stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (int32 keys),
-    # found by bisection (_search: a pass over the row a round, no sort); then one pass draws the Gumbel-max
+    # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (searched as
+    # int32 keys; a pass compares each logit with the threshold's float, _at_least), found by bisection
+    # (_search: a pass over the row a round, no sort); then one pass draws the Gumbel-max
     # sample among the kept tokens. Ties at a threshold keep the lowest indices, as a stable sort would
     # (sampler.filter_logits). The row's total mass only where top-p needs it; top-k's rounds count without
     # exp (the masses at its threshold in one pass after, where top-p follows); each search reads a list of
@@ -315,16 +336,16 @@ def _sample_filtered_kernel(
     use_k = (top_k < V) & (temp != 0.0)
     use_p = (top_p < 1.0) & (temp != 0.0)
     if use_p & (top_k >= V):  # top-p alone: F(lo) is the whole row's mass
-        _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+        _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)
     if use_k:  # the largest key with at least top_k logits at or above it
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
             row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp,
             CAPACITY, False, SHIFT, TILE,
         )  # fmt: skip
         if use_p:  # the masses at and above the threshold, which top-p's target needs
-            _, lo_mass = _sums_from(row_ptr, V, lo.to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+            _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)
             if lo < key_top:
-                _, above_mass = _sums_from(row_ptr, V, (lo + 1).to(tl.int32), top, inv_temp, SHIFT, TILE, True)
+                _, above_mass = _sums_from(row_ptr, V, lo + 1, top, inv_temp, SHIFT, TILE, True)
             else:
                 above_mass = lo_mass * 0.0
         lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)

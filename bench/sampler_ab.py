@@ -1,0 +1,76 @@
+"""The filtered sampler kernel of two source trees, in one process on a GPU, alternating: before and after.
+
+Loads `tandemrl/generation/engine/layers/sampler_kernel.py` from each tree by path and times each tree's
+`sample_filtered` (and the first tree's `sample_unfiltered`, the bar) on the same random bf16 logits of the
+Qwen2.5 vocab, at 128, 256 and 512 rows, flat and peaked, under each filter setting; the trees take turns
+round by round, so the machine's drift lands on both. Prints a JSON line a case (milliseconds, medians of
+`triton.testing.do_bench`; the share of rows whose ids and floors equal the torch sampler's) and ratio lines:
+
+    python bench/ab.py --export main _ab/main
+    python bench/sampler_ab.py _ab/main/src src
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+
+import torch
+
+SETTINGS = {"top_p=0.9": dict(top_p=0.9), "top_k=50": dict(top_k=50), "top_k=50,top_p=0.9": dict(top_k=50, top_p=0.9),
+            "min_p=0.05": dict(min_p=0.05), "top_p=0.5": dict(top_p=0.5)}  # fmt: skip
+
+
+def load(src: str, name: str):
+    path = os.path.join(src, "tandemrl", "generation", "engine", "layers", "sampler_kernel.py")
+    spec = importlib.util.spec_from_file_location(f"sampler_kernel_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base", help="the first tree's src directory (the baseline)")
+    parser.add_argument("new", help="the second tree's src directory")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="128,256,512")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
+
+    trees = {"base": load(args.base, "base"), "new": load(args.new, "new")}
+    vocab = 151936
+    for rows, scale in itertools.product([int(r) for r in args.rows.split(",")], (0.5, 3.0)):
+        logits = (torch.randn(rows, vocab, device="cuda") * scale).to(torch.bfloat16)
+        temps = torch.ones(rows, device="cuda")
+        keys = row_keys(torch.arange(rows, device="cuda"), torch.full((rows,), 5, device="cuda"))
+        plain = dict(top_k=torch.full((rows,), vocab, device="cuda"), top_p=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"))
+        for setting, change in SETTINGS.items():
+            params = {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()}
+            ref_ids, _, ref_floors = sample(logits, SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params))
+            row = {"rows": rows, "logit_scale": scale, "setting": setting}
+            calls = {name: (lambda m=m: m.sample_filtered(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)) for name, m in trees.items()}
+            calls["unfiltered"] = lambda: trees["base"].sample_unfiltered(logits, temps, keys)
+            for name in trees:
+                ids, _, floors = calls[name]()
+                row[f"{name}_same_ids"] = round((ids == ref_ids).float().mean().item(), 4)
+                row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+            times = {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, call in calls.items():
+                    times[name].append(do_bench(call, warmup=10, rep=100, return_mode="median"))
+            for name, values in times.items():
+                row[f"{name}_ms"] = round(statistics.median(values), 4)
+            print(json.dumps(row), flush=True)
+            print(f"ratio sampler_ab rows={rows} scale={scale} {setting}: base / new time = {row['base_ms'] / row['new_ms']:.3f}x; "
+                  f"new / unfiltered = {row['new_ms'] / row['unfiltered_ms']:.2f}x (base {row['base_ms'] / row['unfiltered_ms']:.2f}x)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -263,12 +263,18 @@ class Engine:
         self.residency.wake()
 
     async def close(self) -> None:
-        """Ends the engine thread; a follower's ends when its leader closes (waited for up to tp.timeout_s)."""
+        """Ends the engine thread; a follower's ends when its leader closes (waited for up to tp.timeout_s).
+        Then frees the KV cache and the CUDA graphs (a closed engine's memory is the GPU's again, though
+        the caller still holds it: a second engine in one process had found the first one's cache in use)."""
         self._closed = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, self.tp.timeout_s if self.is_follower else None)
-        if self.tp is not None and not self._thread.is_alive():
+        if self._thread.is_alive():
+            return
+        if self.tp is not None:
             self.release_group()
+        else:
+            self.runner.free_kv_cache()
 
     def release_group(self) -> None:
         """Drops the CUDA graphs (they hold the group's captured collectives), then ends the group."""

@@ -130,6 +130,7 @@ def test_a_weight_update_finishes_the_step_in_flight_under_the_version_it_was_la
 
     engine = make_engine(family_dirs["qwen2"], overlap=True)
     run(engine.close())  # the engine thread stops: this test steps the engine itself, deterministically
+    engine.runner.allocate_kv_cache(engine.blocks.num_blocks)  # close freed the cache
     done = []
     seqs = [Sequence([3 + i, 4, 5], SamplingParams(max_tokens=2 + 4 * i, ignore_eos=True), seed=i, stop_ids=frozenset(), on_finish=done.append) for i in range(2)]
     for seq in seqs:

@@ -36,3 +36,18 @@ def test_level_2_frees_the_weights_and_generates_only_once_all_are_refilled(fami
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_close_frees_the_kv_cache(family_dirs):
+    """A closed engine's KV cache and graphs are freed though its caller still holds it (a second engine in
+    one process had found the first one's whole cache still in use: bench/engine.py's 7B at 8k, then 16k)."""
+    engine = Engine(EngineConfig(model=family_dirs["qwen2"], device="cpu", kv_cache_tokens=1024))
+
+    async def scenario():
+        await engine.generate([7, 8, 9], GREEDY)
+        assert engine.runner.kv_cache is not None
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert engine.runner.kv_cache is None
+    assert all(layer.self_attn.k_cache.numel() == 0 for layer in engine.model.model.layers)

@@ -118,7 +118,7 @@ def test_filtered_sampling_kernel_equals_the_torch_sampler(dtype, capacity):
     assert torch.allclose(floors, expected_floors, atol=1e-5)  # the trainer's floor: the same kept set
 
 
-def _filtered_against_torch(logits, temperatures, top_k, top_p, min_p, capacity=64):
+def _filtered_against_torch(logits, temperatures, top_k, top_p, min_p, capacity=64, value_rounds=8):
     from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered
 
     rows = logits.shape[0]
@@ -126,7 +126,7 @@ def _filtered_against_torch(logits, temperatures, top_k, top_p, min_p, capacity=
     sampling = SamplingTensors(temperatures=temperatures, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys, needs_filter=True)
     expected_ids, expected_logprobs, expected_floors = sample(logits, sampling)
     on = [t.to(DEVICE) for t in (logits, temperatures, top_k, top_p, min_p, keys)]
-    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=64))
+    ids, logprobs, floors = (t.cpu() for t in sample_filtered(*on, capacity=capacity, tile=64, value_rounds=value_rounds))
     assert ids.tolist() == expected_ids.tolist()
     assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
     assert torch.equal(floors.isinf(), expected_floors.isinf())
@@ -157,16 +157,19 @@ def test_filtered_sampling_kernel_ties_minus_zero_with_zero(dtype):
 @needs_triton
 @pytest.mark.parametrize("seed", range(6))
 def test_filtered_sampling_kernel_equals_the_torch_sampler_on_random_settings(seed):
-    # random rows (flat and peaked, bf16 ties, zeros of both signs, masked tokens) under random settings
+    # random rows (flat and peaked, bf16 ties, zeros of both signs, masked tokens, huge logits) under random settings
     generator = torch.Generator().manual_seed(seed)
     rows, vocab = 8, 300
     logits = torch.randn(rows, vocab, generator=generator) * torch.rand(rows, 1, generator=generator).mul(8).add(0.2)
     logits[torch.rand(rows, vocab, generator=generator) < 0.05] = 0.0
     logits[torch.rand(rows, vocab, generator=generator) < 0.05] = -0.0
     logits[torch.rand(rows, vocab, generator=generator) < 0.03] = float("-inf")
+    logits[1, torch.rand(vocab, generator=generator) < 0.2] = -1e30  # masked by a finite value: the search splits keys
+    logits[2] *= 1e5  # logits past 65536 too
     pick = lambda choices: torch.tensor(choices)[torch.randint(len(choices), (rows,), generator=generator)]  # noqa: E731
     temperatures = pick([0.0, 0.6, 1.0, 1.4])
     top_k = pick([1, 2, 20, 50, vocab])
     top_p = pick([0.3, 0.8, 0.95, 1.0])
     min_p = pick([0.0, 0.0, 0.05, 0.2])
-    _filtered_against_torch(logits.to(torch.bfloat16), temperatures, top_k, top_p, min_p, capacity=[0, 16, 64, 4096][seed % 4])
+    capacity, value_rounds = [0, 16, 64, 4096][seed % 4], [8, 0, 2][seed % 3]  # a list or not; bisection by value, by key, both
+    _filtered_against_torch(logits.to(torch.bfloat16), temperatures, top_k, top_p, min_p, capacity=capacity, value_rounds=value_rounds)

@@ -269,17 +269,40 @@ def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constex
 
 
 @triton.jit
+def _compact_masses(row_ptr, V, lo, top, inv_temp, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    # top-p after top-k in one pass: writes the row's logits whose key is >= lo to list_ptr (index order) and
+    # sums the masses of those and of those above lo (as _sums_from: exp2 of (x - top) * scale); (their
+    # count, mass at lo, mass above lo). Replaces _sums_from at lo and at lo + 1 and the top-p search's copy
+    at_lo = _at_least(lo, SHIFT)
+    above_lo = _at_least(lo + 1, SHIFT)  # NaN where lo is the top key: nothing above
+    scale = inv_temp * 1.4426950408889634  # log2(e)
+    n = tl.sum(tl.zeros([TILE], tl.int32), 0)
+    mass_at = tl.zeros([TILE], tl.float32)
+    mass_above = tl.zeros([TILE], tl.float32)
+    for start in range(0, V, TILE):
+        v = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + v, mask=v < V, other=float("nan")).to(tl.float32)
+        inside = x >= at_lo
+        at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
+        tl.store(list_ptr + at, x, mask=inside)
+        n += tl.sum(inside.to(tl.int32), 0)
+        e = tl.exp2((x - top) * scale)
+        mass_at += tl.where(inside, e, 0.0)
+        mass_above += tl.where(x >= above_lo, e, 0.0)
+    return n, tl.sum(mass_at, 0), tl.sum(mass_above, 0)
+
+
+@triton.jit
 def _search(
-    row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, goal, top, inv_temp,
-    CAPACITY: tl.constexpr, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
+    row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, goal, top, inv_temp, listed, n,
+    CAPACITY: tl.constexpr, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr, VALUE_ROUNDS: tl.constexpr,
 ):  # fmt: skip
     # bisection for the largest key t in [lo, hi] whose F(t) = (count, mass of keys >= t) reaches goal (a count
     # when not BY_MASS, else a mass); F(lo) reaches it, F(hi + 1) = (above_count, above_mass); lo_raw: how many
     # keys are >= lo (lo_count may be less: top-k's share of a tie). Once the keys inside [lo, hi] fit in
     # CAPACITY they are copied out in one pass, and later rounds read that list, not the row: F(t) = F at
-    # the copy's hi + 1 (base) + the list's part.
-    listed = lo_raw * 0
-    n = lo_raw * 0
+    # the copy's hi + 1 (base) + the list's part. listed = 1: the list already holds the n keys >= lo, and
+    # hi is the row's top key (nothing above it: base 0).
     # base_* start as values of their own, not as above_count / above_mass themselves: triton finds a while
     # loop's carried variables by a dry visit of its body, where `base_count = above_count` then changed
     # nothing, so the GPU build did not carry them and a round after the copy read F(hi + 1) as the value
@@ -287,12 +310,25 @@ def _search(
     # runs the Python and was right)
     base_count = lo_raw * 0
     base_mass = above_mass * 0.0
+    value_rounds = lo_raw * 0
     while lo < hi:
         if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
             n = _compact(row_ptr, V, lo, hi, list_ptr, SHIFT, TILE)
             listed = n * 0 + 1
             base_count, base_mass = above_count, above_mass
         mid = lo + (hi - lo + 1) // 2
+        if (listed == 0) & (value_rounds < VALUE_ROUNDS):
+            # the rounds over the row split the bracket's values, not its keys: logits spread evenly in
+            # value, and half the keys between two logits of one sign are the floats nearer zero (a bisection
+            # of keys took ~9 rounds over a normal row before its top k fit in a list; by value ~3, top-p 0.9
+            # ~5-6). Only where both ends are ordinary logits (a row masked with -1e30 or -inf splits by key
+            # until its bracket is), and at most VALUE_ROUNDS of them: the key bisection bounds the rest.
+            # (Stopping earlier cost more: a row whose bracket is not listed yet then bisects keys near zero,
+            # and one such row sets a wave's time: 4 rounds were 0.90x of none at top-p 0.5 on flat rows)
+            low, high = _at_least(lo, SHIFT), _at_least(hi, SHIFT)
+            if (tl.abs(low) < 65536.0) & (tl.abs(high) < 65536.0):
+                value_rounds += 1
+                mid = tl.minimum(tl.maximum(_key_of(0.5 * low + 0.5 * high, SHIFT), lo + 1), hi)
         if listed == 1:
             count, mass = _sums_from(list_ptr, n, mid, top, inv_temp, SHIFT, TILE, BY_MASS)
             count, mass = count + base_count, mass + base_mass
@@ -312,7 +348,7 @@ def _search(
 @triton.jit
 def _sample_filtered_kernel(
     logits_ptr, temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, tokens_ptr, logprobs_ptr, floors_ptr, lists_ptr,
-    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr,
+    stride_b, V, CAPACITY: tl.constexpr, SHIFT: tl.constexpr, TILE: tl.constexpr, VALUE_ROUNDS: tl.constexpr,
 ):  # fmt: skip
     # one program per row: top-k, then top-p, then min-p as thresholds on the logits' order (searched as
     # int32 keys; a pass compares each logit with the threshold's float, _at_least), found by bisection
@@ -335,26 +371,32 @@ def _sample_filtered_kernel(
     above_mass = lo_mass
     use_k = (top_k < V) & (temp != 0.0)
     use_p = (top_p < 1.0) & (temp != 0.0)
+    listed = lo_count * 0  # top-p's search starts from a list of the keys >= lo (n of them) where listed
+    n = lo_count * 0
     if use_p & (top_k >= V):  # top-p alone: F(lo) is the whole row's mass
         _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)
     if use_k:  # the largest key with at least top_k logits at or above it
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
-            row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp,
-            CAPACITY, False, SHIFT, TILE,
+            row_ptr, list_ptr, V, lo, hi, lo_raw, lo_count, lo_mass, above_count, above_mass, top_k, top, inv_temp, listed, n,
+            CAPACITY, False, SHIFT, TILE, VALUE_ROUNDS,
         )  # fmt: skip
         if use_p:  # the masses at and above the threshold, which top-p's target needs
-            _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)
-            if lo < key_top:
-                _, above_mass = _sums_from(row_ptr, V, lo + 1, top, inv_temp, SHIFT, TILE, True)
+            if (CAPACITY > 0) & (lo_raw <= CAPACITY):  # and the top k listed for top-p's search, in one pass
+                n, lo_mass, above_mass = _compact_masses(row_ptr, V, lo, top, inv_temp, list_ptr, SHIFT, TILE)
+                listed = n * 0 + 1
             else:
-                above_mass = lo_mass * 0.0
+                _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)
+                if lo < key_top:
+                    _, above_mass = _sums_from(row_ptr, V, lo + 1, top, inv_temp, SHIFT, TILE, True)
+                else:
+                    above_mass = lo_mass * 0.0
         lo_mass = _mass_of_top_k(lo_count, lo_mass, above_count, above_mass, top_k)
         lo_count = top_k.to(tl.int32)
     if use_p:  # the largest key whose logits at or above it reach top_p of the mass
         target = top_p * lo_mass
         lo, lo_raw, lo_count, lo_mass, above_count, above_mass = _search(
             row_ptr, list_ptr, V, lo, key_top, lo_raw, lo_count, lo_mass, above_count * 0, above_mass * 0.0, target, top, inv_temp,
-            CAPACITY, True, SHIFT, TILE,
+            listed, n, CAPACITY, True, SHIFT, TILE, VALUE_ROUNDS,
         )  # fmt: skip
         lo_count = _count_of_top_p(target, lo_count, lo_mass, above_count, above_mass)
     keep_tied = lo_count - above_count  # of the logits whose key is lo, the first keep_tied stay
@@ -367,16 +409,18 @@ def _sample_filtered_kernel(
 
 def sample_filtered(
     logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor, *, capacity: int = 16384, tile: int = 4096,
-    num_warps: int = 16,
+    num_warps: int = 16, value_rounds: int = 8,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gumbel-max over logits [B, V] after each row's top-k, top-p and min-p (sampler.filter_logits'
     order) -> (token_ids [B], logprobs [B] under the filtered distribution, floors [B]: sampler.logit_floors,
     halfway between the lowest kept and the highest excluded tempered logit, -inf where nothing is excluded).
 
     Cost: a row of V logits is read twice (its max and key range; the draw), once more for top-p's total
-    mass, and once per bisection round of each filter it uses (about the log2 of its distinct logit values:
-    ~11 for bf16 logits, ~30 for float32) until the keys left in the bracket fit in `capacity` (float32
-    scratch of [B, capacity]; 0: never): later rounds read that list. Never sorted. tile, num_warps: one
+    mass (top-p after top-k: once for both masses and the top k's list), and once per bisection round of
+    each filter it uses until the keys left in the bracket fit in `capacity` (float32 scratch of [B,
+    capacity]; 0: never): later rounds read that list. Up to `value_rounds` rounds over the row split the
+    bracket's values (~3 for top-k 50 on a normal row, ~5-6 for top-p 0.9), the others its keys (at most
+    the log2 of its distinct logit values: ~16 for bf16 logits, ~32 for float32). Never sorted. tile, num_warps: one
     program's tile of the row and its warps. The defaults were the fastest of bench/decode.py --only sampler
     --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last defaults, 2048 and
     4096; figures: bench/RESULTS.md)."""
@@ -388,6 +432,6 @@ def sample_filtered(
     lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
-        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, num_warps=num_warps,
+        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, VALUE_ROUNDS=value_rounds, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors

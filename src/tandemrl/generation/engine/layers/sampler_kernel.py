@@ -253,28 +253,13 @@ def _sums_from(src_ptr, n, threshold, top, inv_temp, SHIFT: tl.constexpr, TILE: 
 
 
 @triton.jit
-def _compact(row_ptr, V, lo, hi, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
-    # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; their count
-    at_lo = _at_least(lo, SHIFT)
-    above_hi = _at_least(hi + 1, SHIFT)
-    n = tl.sum(tl.zeros([TILE], tl.int32), 0)
-    for start in range(0, V, TILE):
-        v = start + tl.arange(0, TILE)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("nan")).to(tl.float32)
-        inside = (x >= at_lo) & ~(x >= above_hi)  # (not x < above_hi: NaN there must stay out)
-        at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
-        tl.store(list_ptr + at, x, mask=inside)
-        n += tl.sum(inside.to(tl.int32), 0)
-    return n
-
-
-@triton.jit
-def _compact_masses(row_ptr, V, lo, top, inv_temp, list_ptr, SHIFT: tl.constexpr, TILE: tl.constexpr):
-    # top-p after top-k in one pass: writes the row's logits whose key is >= lo to list_ptr (index order) and
-    # sums the masses of those and of those above lo (as _sums_from: exp2 of (x - top) * scale); (their
-    # count, mass at lo, mass above lo). Replaces _sums_from at lo and at lo + 1 and the top-p search's copy
+def _compact(row_ptr, V, lo, hi, list_ptr, top, inv_temp, SHIFT: tl.constexpr, TILE: tl.constexpr, MASS: tl.constexpr):
+    # writes the row's logits (as float32) whose key lies in [lo, hi] to list_ptr, in index order; (their
+    # count, and where MASS, the masses of those and of those above lo, as _sums_from: exp2 of (x - top) *
+    # scale). Top-p after top-k lists its bracket [lo, top key] with both masses in this one pass
     at_lo = _at_least(lo, SHIFT)
     above_lo = _at_least(lo + 1, SHIFT)  # NaN where lo is the top key: nothing above
+    above_hi = _at_least(hi + 1, SHIFT)
     scale = inv_temp * 1.4426950408889634  # log2(e)
     n = tl.sum(tl.zeros([TILE], tl.int32), 0)
     mass_at = tl.zeros([TILE], tl.float32)
@@ -282,13 +267,14 @@ def _compact_masses(row_ptr, V, lo, top, inv_temp, list_ptr, SHIFT: tl.constexpr
     for start in range(0, V, TILE):
         v = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + v, mask=v < V, other=float("nan")).to(tl.float32)
-        inside = x >= at_lo
+        inside = (x >= at_lo) & ~(x >= above_hi)  # (not x < above_hi: NaN there must stay out)
         at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(list_ptr + at, x, mask=inside)
         n += tl.sum(inside.to(tl.int32), 0)
-        e = tl.exp2((x - top) * scale)
-        mass_at += tl.where(inside, e, 0.0)
-        mass_above += tl.where(x >= above_lo, e, 0.0)
+        if MASS:
+            e = tl.exp2((x - top) * scale)
+            mass_at += tl.where(inside, e, 0.0)
+            mass_above += tl.where(x >= above_lo, e, 0.0)
     return n, tl.sum(mass_at, 0), tl.sum(mass_above, 0)
 
 
@@ -313,7 +299,7 @@ def _search(
     value_rounds = lo_raw * 0
     while lo < hi:
         if (CAPACITY > 0) & (listed == 0) & (lo_raw - above_count <= CAPACITY) & (hi - lo > 2):
-            n = _compact(row_ptr, V, lo, hi, list_ptr, SHIFT, TILE)
+            n, _, _ = _compact(row_ptr, V, lo, hi, list_ptr, top, inv_temp, SHIFT, TILE, False)
             listed = n * 0 + 1
             base_count, base_mass = above_count, above_mass
         mid = lo + (hi - lo + 1) // 2
@@ -382,7 +368,7 @@ def _sample_filtered_kernel(
         )  # fmt: skip
         if use_p:  # the masses at and above the threshold, which top-p's target needs
             if (CAPACITY > 0) & (lo_raw <= CAPACITY):  # and the top k listed for top-p's search, in one pass
-                n, lo_mass, above_mass = _compact_masses(row_ptr, V, lo, top, inv_temp, list_ptr, SHIFT, TILE)
+                n, lo_mass, above_mass = _compact(row_ptr, V, lo, key_top, list_ptr, top, inv_temp, SHIFT, TILE, True)
                 listed = n * 0 + 1
             else:
                 _, lo_mass = _sums_from(row_ptr, V, lo, top, inv_temp, SHIFT, TILE, True)

@@ -406,10 +406,10 @@ def sample_filtered(
     each filter it uses until the keys left in the bracket fit in `capacity` (float32 scratch of [B,
     capacity]; 0: never): later rounds read that list. Up to `value_rounds` rounds over the row split the
     bracket's values (~3 for top-k 50 on a normal row, ~5-6 for top-p 0.9), the others its keys (at most
-    the log2 of its distinct logit values: ~16 for bf16 logits, ~32 for float32). Never sorted. tile, num_warps: one
-    program's tile of the row and its warps. The defaults were the fastest of bench/decode.py --only sampler
-    --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last defaults, 2048 and
-    4096; figures: bench/RESULTS.md)."""
+    the log2 of its distinct logit values: ~16 for bf16 logits, ~32 for float32). Never sorted. tile,
+    num_warps: one program's tile of the row and its warps. The defaults were the fastest of bench/decode.py
+    --only sampler --sweep's 18 settings on an H200 for top-p 0.9 and for top-k 50 (1.22-1.25x the last
+    defaults, 2048 and 4096; figures: bench/RESULTS.md)."""
     batch, vocab_size = logits.shape
     shift = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)

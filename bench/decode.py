@@ -114,41 +114,59 @@ def attention(args, bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
-def sampler(args) -> None:
-    from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
-    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+SAMPLER_SETTINGS = {"none": {}, "top_p=0.9": dict(top_p=0.9), "top_k=50": dict(top_k=50), "min_p=0.05": dict(min_p=0.05),
+                    "top_k=50,top_p=0.9": dict(top_k=50, top_p=0.9)}  # fmt: skip
+
+
+def sampler_problem(rows: int, scale: float, settings: dict[str, dict], device: str = "cuda"):
+    """(logits, temperatures, keys, {setting: its top_k / top_p / min_p tensors}): random bf16 logits of the
+    Qwen2.5 vocab (scale 0.5: flat, as random weights give; 3.0: peaked), temperature 1, one key a row; the
+    sampler kernels' problem here and in bench/sampler_ab.py."""
+    from tandemrl.generation.engine.layers.sampler import row_keys
 
     vocab = 151936
+    logits = (torch.randn(rows, vocab, device=device) * scale).to(torch.bfloat16)
+    temps = torch.ones(rows, device=device)
+    keys = row_keys(torch.arange(rows, device=device), torch.full((rows,), 5, device=device))
+    plain = dict(top_k=torch.full((rows,), vocab, device=device), top_p=torch.ones(rows, device=device), min_p=torch.zeros(rows, device=device))
+    params = {name: {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()} for name, change in settings.items()}
+    return logits, temps, keys, params
+
+
+def same_as_torch(ids, floors, logits, temps, keys, params: dict) -> tuple[float, float]:
+    """The shares of rows whose token and floor equal the torch sampler's (the same keys: the same noise)."""
+    from tandemrl.generation.engine.layers.sampler import SamplingTensors, sample
+
+    ref_ids, _, ref_floors = sample(logits, SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params))
+    return round((ids == ref_ids).float().mean().item(), 4), round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+
+
+def sampler(args) -> None:
+    from tandemrl.generation.engine.layers.sampler import SamplingTensors, sample
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+
     for rows, scale in itertools.product((128, 256, 512), (0.5, 3.0)):  # flat logits (random weights) and peaked ones
-        logits = (torch.randn(rows, vocab, device="cuda") * scale).to(torch.bfloat16)
-        temps = torch.ones(rows, device="cuda")
-        keys = row_keys(torch.arange(rows, device="cuda"), torch.full((rows,), 5, device="cuda"))
-        plain = dict(top_k=torch.full((rows,), vocab, device="cuda"), top_p=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"))
+        logits, temps, keys, settings = sampler_problem(rows, scale, SAMPLER_SETTINGS)
         unfiltered = do_bench(lambda: sample_unfiltered(logits, temps, keys), warmup=10, rep=100, return_mode="median")
         row = {"rows": rows, "logit_scale": scale, "unfiltered_ms": round(unfiltered, 4)}
-        for name, change in (("none", {}), ("top_p=0.9", dict(top_p=0.9)), ("top_k=50", dict(top_k=50)), ("min_p=0.05", dict(min_p=0.05)),
-                             ("top_k=50,top_p=0.9", dict(top_k=50, top_p=0.9))):  # fmt: skip
-            params = {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()}
+        for name, params in settings.items():
             call = lambda: sample_filtered(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)  # noqa: E731
             ids, _, floors = call()
-            sampling = SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params)
-            ref_ids, _, ref_floors = sample(logits, sampling)
             ms = do_bench(call, warmup=10, rep=100, return_mode="median")
-            row[f"{name}_ms"], row[f"{name}_same_ids"] = round(ms, 4), round((ids == ref_ids).float().mean().item(), 4)
-            row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_same_ids"], row[f"{name}_same_floors"] = same_as_torch(ids, floors, logits, temps, keys, params)
             if name == "top_p=0.9":
+                sampling = SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params)
                 row["torch_sort_top_p_ms"] = round(do_bench(lambda: sample(logits, sampling), warmup=5, rep=30, return_mode="median"), 4)
         print(json.dumps(row), flush=True)
-        for name in ("none", "top_p=0.9", "top_k=50", "min_p=0.05", "top_k=50,top_p=0.9"):
+        for name in settings:
             print(f"ratio sampler rows={rows} scale={scale} {name}: filtered / unfiltered = {row[f'{name}_ms'] / unfiltered:.2f}x", flush=True)
         print(f"ratio sampler rows={rows} scale={scale}: torch sort top_p=0.9 / unfiltered = {row['torch_sort_top_p_ms'] / unfiltered:.1f}x", flush=True)
     if args.sweep:  # the filtered kernel's tile, warps and list capacity at 256 flat rows, top_p 0.9 and top_k 50
-        logits = (torch.randn(256, vocab, device="cuda") * 0.5).to(torch.bfloat16)
-        ones, keys = torch.ones(256, device="cuda"), row_keys(torch.arange(256, device="cuda"), torch.full((256,), 5, device="cuda"))
-        for name, k, p in (("top_p=0.9", vocab, 0.9), ("top_k=50", 50, 1.0)):
-            top_k, top_p, min_p = torch.full((256,), k, device="cuda"), torch.full((256,), p, device="cuda"), torch.zeros(256, device="cuda")
+        logits, ones, keys, settings = sampler_problem(256, 0.5, {"top_p=0.9": dict(top_p=0.9), "top_k=50": dict(top_k=50)})
+        for name, params in settings.items():
             for tile, warps, capacity in itertools.product((1024, 2048, 4096), (8, 16, 32), (4096, 16384)):
-                call = lambda: sample_filtered(logits, ones, top_k, top_p, min_p, keys, capacity=capacity, tile=tile, num_warps=warps)  # noqa: E731
+                call = lambda: sample_filtered(logits, ones, params["top_k"], params["top_p"], params["min_p"], keys, capacity=capacity, tile=tile, num_warps=warps)  # noqa: E731
                 ms = do_bench(call, warmup=5, rep=50, return_mode="median")
                 print(json.dumps({"sampler_sweep": name, "tile": tile, "num_warps": warps, "capacity": capacity, "ms": round(ms, 4)}), flush=True)
 

@@ -42,25 +42,18 @@ def main() -> None:
     args = parser.parse_args()
     from triton.testing import do_bench
 
-    from tandemrl.generation.engine.layers.sampler import SamplingTensors, row_keys, sample
+    from decode import sampler_problem, same_as_torch
 
     trees = {"base": load(args.base, "base"), "new": load(args.new, "new")}
-    vocab = 151936
     for rows, scale in itertools.product([int(r) for r in args.rows.split(",")], (0.5, 3.0)):
-        logits = (torch.randn(rows, vocab, device="cuda") * scale).to(torch.bfloat16)
-        temps = torch.ones(rows, device="cuda")
-        keys = row_keys(torch.arange(rows, device="cuda"), torch.full((rows,), 5, device="cuda"))
-        plain = dict(top_k=torch.full((rows,), vocab, device="cuda"), top_p=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"))
-        for setting, change in SETTINGS.items():
-            params = {k: (torch.full_like(v, change[k]) if k in change else v) for k, v in plain.items()}
-            ref_ids, _, ref_floors = sample(logits, SamplingTensors(temperatures=temps, keys=keys, needs_filter=True, **params))
+        logits, temps, keys, settings = sampler_problem(rows, scale, SETTINGS)
+        for setting, params in settings.items():
             row = {"rows": rows, "logit_scale": scale, "setting": setting}
             calls = {name: (lambda m=m: m.sample_filtered(logits, temps, params["top_k"], params["top_p"], params["min_p"], keys)) for name, m in trees.items()}
             calls["unfiltered"] = lambda: trees["base"].sample_unfiltered(logits, temps, keys)
             for name in trees:
                 ids, _, floors = calls[name]()
-                row[f"{name}_same_ids"] = round((ids == ref_ids).float().mean().item(), 4)
-                row[f"{name}_same_floors"] = round(torch.isclose(floors, ref_floors, atol=1e-4).float().mean().item(), 4)
+                row[f"{name}_same_ids"], row[f"{name}_same_floors"] = same_as_torch(ids, floors, logits, temps, keys, params)
             times = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for name, call in calls.items():

@@ -296,6 +296,19 @@ def test_fused_sampler_matches_the_torch_sampler():
 
 
 @cuda
+@pytest.mark.parametrize("fast", [True, False])
+def test_kernel_gumbel_noise_is_within_1e_5_of_float64_for_every_uniform(fast):
+    from tests.gpu.noise_kernel import noise_kernel
+
+    prefixes = torch.arange(2**23, dtype=torch.int64, device="cuda")  # every 23-bit uniform the hash can give
+    noise = torch.empty(len(prefixes), dtype=torch.float32, device="cuda")
+    noise_kernel[(len(prefixes) // 1024,)](prefixes << 9 | 0x1FF, noise, len(prefixes), FAST=fast, BLOCK=1024)
+    exact = -torch.log(-torch.log((prefixes.double() + 0.5) / 2**23))
+    assert torch.isfinite(noise).all()
+    assert (noise.double() - exact).abs().max() < 1e-5
+
+
+@cuda
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gpu_engine_matches_cpu_engine(tmp_path, family):
     from tandemrl.tasks.tiny import save_tiny

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandemrl.generation.engine.layers.sampler import (
-    SamplingTensors, filter_logits, gumbel_noise, penalise, repetition_penalty, row_keys, sample,
+    SamplingTensors, filter_logits, gumbel_noise, penalise, repetition_penalty, row_keys, sample, uniform_of,
 )  # fmt: skip
 
 
@@ -82,6 +82,28 @@ def test_noise_is_a_function_of_seed_and_position_only():
     assert torch.equal(alone[0], noise[0])
     other_position = gumbel_noise(row_keys(torch.tensor([11]), torch.tensor([5])), 100)
     assert not torch.equal(other_position[0], noise[0])
+
+
+def test_every_hash_value_maps_into_the_open_unit_interval_and_finite_noise():
+    top_bits = torch.arange(0, 2**23, dtype=torch.int64) << 9
+    for bits in (top_bits, top_bits | 0x1FF):  # each 23-bit prefix, with its low bits clear and set
+        uniform = uniform_of(bits)
+        assert 0.0 < uniform.min() and uniform.max() < 1.0
+        assert torch.isfinite(-torch.log(-torch.log(uniform))).all()
+
+
+def test_a_row_whose_hash_hits_the_top_of_its_range_still_draws_from_the_softmax():
+    # seeds 12, 114, 244, 289 and 399 (x 7919, position 130) each hashed one of a 151,936-token vocab to the
+    # last 24-bit value, whose uniform rounded to 1: infinite noise, and that token was drawn over a token of
+    # probability 1 - 1e-8 (about 1% of draws at this vocab)
+    seeds = torch.tensor([12, 114, 244, 289, 399, 0, 1]) * 7919
+    vocab, batch = 151_936, len(seeds)
+    logits = torch.zeros(batch, vocab)
+    logits[:, 7] = 30.0  # every other token together: probability ~1.4e-8
+    sampling = tensors(batch, vocab=vocab)
+    sampling.keys = row_keys(seeds, torch.full((batch,), 130))
+    tokens, _, _ = sample(logits, sampling)
+    assert tokens.tolist() == [7] * batch
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens_only():

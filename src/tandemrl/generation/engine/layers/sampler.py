@@ -50,8 +50,14 @@ def gumbel_noise(keys: Tensor, vocab_size: int) -> Tensor:
     """[B, V] float32 standard Gumbel noise, a pure function of (key, vocab index)."""
     index = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     bits = mix32((keys[:, None] + index[None, :] * GOLDEN32) & MASK32)  # [B, V]
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1)
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_of(bits)))
+
+
+def uniform_of(bits: Tensor) -> Tensor:
+    """32-bit hash values -> float32 uniforms in (0, 1), from their top 23 bits: (k + 0.5) / 2^23 is exact in
+    float32 and below 1. (With 24 bits, k = 2^24 - 1 rounded to u = 1: infinite noise, so that token was
+    drawn whatever its probability, in ~1% of draws over a 150k vocab.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @dataclass(slots=True)

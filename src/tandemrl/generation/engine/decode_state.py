@@ -126,16 +126,28 @@ class DecodeState:
         # int32 lengths: the Triton decode kernel is tested (tests/gpu) with int32 lengths
         return DecodeMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens.to(torch.int32), block_size=block_size)
 
-    def sampling(self, rows: int, *, needs_filter: bool) -> SamplingTensors:
+    def sampling(self, rows: int, *, needs_filter: bool, keys: Tensor | None = None) -> SamplingTensors:
         """Rows [0, rows)'s sampling tensors; the noise key of a row is (seed, position sampled)."""
         return SamplingTensors(
             temperatures=self.floats[0, :rows],
             top_k=self.ints[TOP_K, :rows],
             top_p=self.floats[1, :rows],
             min_p=self.floats[2, :rows],
-            keys=row_keys(self.ints[SEEDS, :rows], self.ints[POSITIONS, :rows] + 1),
+            keys=row_keys(self.ints[SEEDS, :rows], self.ints[POSITIONS, :rows] + 1) if keys is None else keys,
             needs_filter=needs_filter,
         )
+
+    def step(self, rows: int, block_size: int, *, gather: bool, needs_filter: bool) -> tuple[GatherMetadata | DecodeMetadata, SamplingTensors]:
+        """metadata() and sampling() of rows [0, rows); on a GPU their slots, lengths and keys from one kernel
+        (state_kernel.py) instead of ~35 torch kernels of a few rows each."""
+        if gather or self.ints.device.type != "cuda":
+            return self.metadata(rows, block_size, gather=gather), self.sampling(rows, needs_filter=needs_filter)
+        from tandemrl.generation.engine.state_kernel import step_inputs
+
+        tables = self.block_tables[:rows]
+        slots, lens, keys = step_inputs(self.ints[POSITIONS, :rows], self.ints[LENS, :rows], self.ints[SEEDS, :rows], tables, block_size)
+        meta = DecodeMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens, block_size=block_size)
+        return meta, self.sampling(rows, needs_filter=needs_filter, keys=keys)
 
     def advance(self, rows: int, token_ids: Tensor) -> None:
         """The next step's inputs of rows [0, rows): the sampled token at the next position."""

@@ -397,9 +397,9 @@ class ModelRunner:
         """One decode step of state rows [0, rows), all on the device (this is what a graph captures):
         forward, sample, and advance the state to the next step's inputs."""
         state = self.state
-        meta = state.metadata(rows, self.block_size, gather=not self.is_cuda)
+        meta, sampling = state.step(rows, self.block_size, gather=not self.is_cuda, needs_filter=needs_filter)
         logits = self.model.compute_logits(self.model(state.input_ids[:rows], state.positions[:rows], meta))  # [rows, V]
-        sampling = replace(state.sampling(rows, needs_filter=needs_filter), penalty=penalty)
+        sampling = replace(sampling, penalty=penalty)
         token_ids, logprobs, floors = self._sample(logits, sampling)
         state.advance(rows, token_ids)
         return token_ids, logprobs, logits, sampling, floors

@@ -173,3 +173,24 @@ def test_filtered_sampling_kernel_equals_the_torch_sampler_on_random_settings(se
     min_p = pick([0.0, 0.0, 0.05, 0.2])
     capacity, value_rounds = [0, 16, 64, 4096][seed % 4], [8, 0, 2][seed % 3]  # a list or not; bisection by value, by key, both
     _filtered_against_torch(logits.to(torch.bfloat16), temperatures, top_k, top_p, min_p, capacity=capacity, value_rounds=value_rounds)
+
+
+@needs_triton
+def test_the_step_inputs_kernel_equals_the_torch_forms():
+    from tandemrl.generation.engine.decode_state import LENS, POSITIONS, SEEDS, DecodeState
+    from tandemrl.generation.engine.state_kernel import step_inputs
+
+    torch.manual_seed(0)
+    max_rows, width, block = 300, 40, 16
+    state = DecodeState(max_rows, width, vocab_size=100, device=torch.device(DEVICE))
+    state.ints[POSITIONS] = torch.randint(0, width * block, (max_rows,))
+    state.ints[LENS] = state.ints[POSITIONS] + 1
+    state.ints[SEEDS] = torch.cat([torch.tensor([0, 2**32 - 1, 2**31]), torch.randint(0, 2**32, (max_rows - 3,))])  # products past int64 wrap
+    state.block_tables.copy_(torch.randint(0, 10**6, (max_rows, width), dtype=torch.int32))
+    rows = max_rows - 3  # not a multiple of the kernel's tile
+    slots, lens, keys = step_inputs(state.ints[POSITIONS, :rows], state.ints[LENS, :rows], state.ints[SEEDS, :rows], state.block_tables[:rows], block)
+    meta = state.metadata(rows, block, gather=False)
+    assert torch.equal(slots, meta.slot_mapping) and torch.equal(lens, meta.context_lens)
+    assert torch.equal(keys, state.sampling(rows, needs_filter=False).keys)
+    meta, sampling = state.step(rows, block, gather=False, needs_filter=False)  # the kernel on a GPU, the torch forms elsewhere
+    assert torch.equal(meta.slot_mapping, slots) and torch.equal(sampling.keys, keys)

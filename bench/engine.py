@@ -98,6 +98,12 @@ def run_ours(
     return results
 
 
+def counters_since(engine, before: dict) -> dict:
+    """The engine's time and step counters (engine.stats()) since `before`, a stats() taken earlier: they
+    count from the engine's start, so a warm call's share is subtracted."""
+    return {k: round(v - before.get(k, 0), 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))}
+
+
 def print_kernel_profile(call, top: int = 20) -> None:
     """One JSON line per device kernel (or op) with the most device time in `call`, and their share of it."""
     from torch.profiler import ProfilerActivity, profile

@@ -206,8 +206,9 @@ def bench_generate(name: str, args) -> None:
         timed[setting] = time.perf_counter() - start
         assert sum(map(len, out)) == num_prompts * new_tokens
         tps = num_prompts * new_tokens / timed[setting]
-        # the timed call's share of the engine's counters (they count from its start: the warm call too)
-        stats = {k: round(v - before.get(k, 0), 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))} if before else {}
+        from engine import counters_since  # bench/engine.py
+
+        stats = counters_since(engine, before) if before else {}  # the timed call's share (the warm call's taken out)
         device_s[setting] = stats.get("engine/gpu_s")
         label = {"fused_norms": setting} if len(settings) > 1 else {}
         print(json.dumps({"family": name, "system": "ours", **label, "prompts": num_prompts, "new_tokens": new_tokens, "seconds": round(timed[setting], 2), "tokens_per_s": round(tps, 1), **stats}), flush=True)  # fmt: skip

@@ -103,6 +103,7 @@ def time_generate(model, prompts: list[list[int]], new_tokens: int, *, warm: str
 
 
 def time_engine(model, requests: list[list[int]], new_tokens: int) -> tuple[float, dict]:
+    from engine import counters_since  # bench/engine.py
     from tandemrl.generation.base import EngineConfig
     from tandemrl.generation.engine import Engine
     from tandemrl.types import SamplingParams
@@ -122,8 +123,7 @@ def time_engine(model, requests: list[list[int]], new_tokens: int) -> tuple[floa
     completions = asyncio.run(go(requests))
     elapsed = time.perf_counter() - start
     assert sum(len(c.token_ids) for c in completions) == len(requests) * new_tokens
-    # the timed call's share of the engine's counters (they count from its start: the warm call too)
-    stats = {k: round(v - before.get(k, 0), 3) for k, v in engine.stats().items() if k.endswith(("_s", "steps"))}
+    stats = counters_since(engine, before)  # the timed call's share (the warm call's taken out)
     asyncio.run(engine.close())
     return elapsed, {"build_s": round(built, 1), **stats}
 

@@ -12,16 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def _mix32(x):
-    # sampler.mix32 on int64 values in [0, 2^32), the same operations in the same width (the second product
-    # may wrap in int64, as torch's does; its low 32 bits are exact)
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+from tandemrl.generation.engine.layers.sampler_kernel import mix32
 
 
 @triton.jit
@@ -36,7 +27,7 @@ def _step_inputs_kernel(
     tl.store(slots_ptr + r, block * BLOCK_SIZE + position % BLOCK_SIZE, mask=valid)
     tl.store(lens32_ptr + r, tl.load(lens_ptr + r, mask=valid, other=1).to(tl.int32), mask=valid)
     seed = tl.load(seeds_ptr + r, mask=valid, other=0)
-    tl.store(keys_ptr + r, _mix32((_mix32(seed) + (position + 1) * 0x9E3779B9) & 0xFFFFFFFF), mask=valid)
+    tl.store(keys_ptr + r, mix32((mix32(seed) + (position + 1) * 0x9E3779B9) & 0xFFFFFFFF), mask=valid)
 
 
 def step_inputs(positions: Tensor, lens: Tensor, seeds: Tensor, tables: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,7 +16,9 @@ from torch import Tensor
 
 
 @triton.jit
-def _mix32(x):
+def mix32(x):
+    # sampler.mix32 (lowbias32) on uint32 values, or on int64 ones in [0, 2^32) (state_kernel.py's keys: the
+    # same operations as torch's in the same width; the second product may wrap in int64, its low 32 bits exact)
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
@@ -85,7 +87,7 @@ def _sample_chunk_kernel(
         valid = v < V
         z = tl.load(logits_ptr + row * stride_b + v, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
         run_sum += tl.where(valid, tl.exp(z - shift), 0.0)
-        noise = tl.where(greedy, 0.0, _gumbel(_mix32((key + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF), FAST_LOG))
+        noise = tl.where(greedy, 0.0, _gumbel(mix32((key + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF), FAST_LOG))
         score = tl.where(valid, z + noise, float("-inf"))
         better = score > best_score
         best_score = tl.where(better, score, best_score)
@@ -241,7 +243,7 @@ def _draw_kept(
         kept_mass += tl.where(keep, e, 0.0)
         kept_min = tl.minimum(kept_min, tl.where(keep, x, float("inf")))
         excluded_max = tl.maximum(excluded_max, tl.where(valid & ~keep, x, float("-inf")))
-        noise = tl.where(greedy, 0.0, _gumbel(_mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF), FAST_LOG))
+        noise = tl.where(greedy, 0.0, _gumbel(mix32((key_seed + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF), FAST_LOG))
         score = tl.where(keep, z + noise, float("-inf"))
         better = score > best_score
         best_score = tl.where(better, score, best_score)

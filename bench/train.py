@@ -13,6 +13,7 @@ to a directory, 64 prompts of ~127 tokens, 256 new tokens) and prints its step t
 
     python bench/train.py --models 0.5b,1.5b --full_step
     python bench/train.py --models 0.5b,1.5b --only '' --full_step_completions 4096,8192 --full_steps 4  # long rollouts, 16 x 8
+    python bench/train.py --models 7b --only '' --full_step_completions 4096 --full_step_prompts 8 --full_steps 3 --full_step_save_dtype bfloat16 --train_flags --lora_r 16
     python bench/train.py --models 0.5b --variants ';triton_logprobs=false'  # ours twice: defaults (Triton head), torch head
     python bench/train.py --models 0.5b --only ours --liger --variants 'torch_compile=false;'  # Liger's RMSNorm/RoPE/SwiGLU
 """
@@ -32,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine import SHAPES  # noqa: E402
+from engine import SHAPE_7B, SHAPES  # noqa: E402
 
 PEAK_FLOPS = 790e12
 PROMPT, COMPLETION, PROMPTS, GENERATIONS = 128, 256, 64, 8
@@ -42,8 +43,8 @@ def qwen_config(shape: str):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, **SHAPES[shape],
+        vocab_size=151936 if shape != "7b" else 152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=shape != "7b", bos_token_id=151643, eos_token_id=151645, **(SHAPE_7B if shape == "7b" else SHAPES[shape]),
     )  # fmt: skip
 
 
@@ -226,7 +227,7 @@ def full_step(shape: str, args, *, completion: int = COMPLETION, prompts: int = 
     from tandemrl.tasks.tiny import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(shape)
+        model = build_model(shape).to(getattr(torch, args.full_step_save_dtype))
         model.save_pretrained(f"{tmp}/model")
         build_tokenizer().save_pretrained(f"{tmp}/model")
         del model
@@ -285,6 +286,7 @@ def main() -> None:
         "completion lengths (e.g. 4096,8192), after the default workload's; --only '' runs these alone"
     )  # fmt: skip
     parser.add_argument("--full_step_prompts", type=int, default=16)
+    parser.add_argument("--full_step_save_dtype", choices=("float32", "bfloat16"), default="float32", help="the saved checkpoint's dtype (bfloat16: 7B's 15 GB, as released)")
     parser.add_argument("--full_step_timeout", type=int, default=540, help="seconds one `tandem train` may take")
     parser.add_argument("--train_flags", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()

@@ -36,11 +36,11 @@ def _lg2_approx(x):
 @triton.jit
 def _gumbel(bits, FAST: tl.constexpr):
     # the standard Gumbel noise -ln(-ln u) of hash bits, u = (bits >> 9 + 0.5) / 2^23 in (0, 1), as sampler.py's
-    # gumbel_noise and uniform_of. FAST (on a GPU; the interpreter runs no PTX): with lg2.approx, 2x the unfiltered kernel's
-    # speed at 512 rows. There the inner e = -ln u of u near 1 is the series of -ln(1 - w) in w = 1 - u (exact:
-    # Sterbenz), relative error < 1e-8 for w < 1/16, where lg2's absolute error would be a large relative
-    # error of e, and so of the noise of the likeliest winners (e small, noise large). Elsewhere |log2 u| >
-    # 0.093 keeps e's relative error under ~2e-6, and the outer log adds ~1e-7 absolute to the noise.
+    # gumbel_noise and uniform_of. FAST (on a GPU; the interpreter runs no PTX): both logs through lg2.approx,
+    # 1.6x the unfiltered kernel's speed at 512 rows. There the inner e = -ln u of u near 1 is the series of
+    # -ln(1 - w) in w = 1 - u (exact: Sterbenz), relative error < 1e-8 for w < 1/16, where lg2's absolute error
+    # would be a large relative error of e, and so of the noise of the likeliest winners (e small, noise large).
+    # Elsewhere |log2 u| > 0.093 keeps e's relative error under ~2e-6; the outer log adds ~1e-7 to the noise.
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     if not FAST:
         return -tl.log(-tl.log(u))

@@ -1,7 +1,8 @@
 """Triton fused Gumbel-max sampling, the GPU path of sampler.py's `sample`: rows without filters
 (`sample_unfiltered`), and rows with top-k, top-p or min-p (`sample_filtered`: thresholds searched, no sort).
 
-Legend: B rows, V vocab. Same noise hash as sampler.py (lowbias32), so both paths draw the same tokens.
+Legend: B rows, V vocab. Same noise hash as sampler.py (lowbias32), so both paths draw the same tokens
+(but for near-ties: on a GPU the noise's logs are lg2.approx, within 1e-5 of exact; see _gumbel).
 Imported only on CUDA; tests/gpu checks it against sampler.py.
 """
 
@@ -50,9 +51,9 @@ def _gumbel(bits, FAST: tl.constexpr):
     return -0.6931471805599453 * _lg2_approx(e)
 
 
-def fast_log() -> bool:
-    """The kernels' FAST_LOG: lg2.approx on a GPU, tl.log under triton's interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+# the kernels' FAST_LOG: lg2.approx on a GPU, tl.log under triton's interpreter (TRITON_INTERPRET=1, which
+# triton itself reads when this module's kernels are defined, so it is read here once too)
+FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @triton.jit
@@ -136,7 +137,7 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor, chunk:
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_chunk_kernel[(batch, chunks)](
         logits, temperatures, keys, parts[0], parts[1], parts[2], indices, parts[3],
-        logits.stride(0), vocab_size, chunks, CHUNK=chunk, TILE=tile, FAST_LOG=fast_log(), num_warps=4,
+        logits.stride(0), vocab_size, chunks, CHUNK=chunk, TILE=tile, FAST_LOG=FAST_LOG, num_warps=4,
     )  # fmt: skip
     _sample_combine_kernel[(batch,)](
         parts[0], parts[1], parts[2], indices, parts[3], tokens, logprobs, vocab_size, chunks, SP=max(16, triton.next_power_of_2(chunks)),
@@ -447,6 +448,6 @@ def sample_filtered(
     lists = torch.empty(batch, max(capacity, 1), dtype=torch.float32, device=logits.device)
     _sample_filtered_kernel[(batch,)](
         logits, temperatures, top_k, top_p, min_p, keys, tokens, logprobs, floors, lists,
-        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, VALUE_ROUNDS=value_rounds, FAST_LOG=fast_log(), num_warps=num_warps,
+        logits.stride(0), vocab_size, CAPACITY=capacity, SHIFT=shift, TILE=tile, VALUE_ROUNDS=value_rounds, FAST_LOG=FAST_LOG, num_warps=num_warps,
     )  # fmt: skip
     return tokens, logprobs, floors

@@ -408,6 +408,21 @@ def test_fused_norm_rope_cache_and_silu_match_the_torch_path(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_final_softcap_kernel_equals_torch_bit_for_bit(dtype):
+    # Gemma 2's final logit soft-cap (cap 30) in one pass: the same bits as torch's three ops, over logits from
+    # far under to far over the cap, a vocab that is no multiple of the kernel's block, and both 16-bit types
+    from tandemrl.generation.engine.layers.activation import softcap_
+
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 256000 + 5, device="cuda") * torch.logspace(-3, 2.5, 37, device="cuda")[:, None]).to(dtype)
+    logits[0, :4] = torch.tensor([0.0, -0.0, 1e4, -1e4])
+    expected = torch.tanh(logits / 30.0) * 30.0
+    got = softcap_(logits.clone(), 30.0)
+    assert torch.equal(got, expected), (got != expected).sum().item()
+
+
+@cuda
 def test_prefill_graph_replays_give_the_eager_prefills_tokens_bitwise(tmp_path):
     """The same requests three times from an empty prefix cache: the first prefill of a row count runs
     eagerly, the second eagerly then captures, the third replays; every round's tokens and logprobs are

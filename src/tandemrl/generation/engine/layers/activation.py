@@ -1,6 +1,7 @@
 """Triton fused act(gate) * up of the MLP, act silu (Llama, Qwen, Mistral, Phi-3, OLMo 2, SmolLM3) or tanh-GELU
-(Gemma 2/3): one pass over [gate | up] instead of three (activation, then product). Imported only on CUDA;
-models/llama.py holds the torch path and tests/gpu checks one against the other."""
+(Gemma 2/3): one pass over [gate | up] instead of three (activation, then product); and Gemma 2's final
+logit soft-cap in one pass instead of three. Imported only on CUDA; models/llama.py holds the torch paths
+and tests/gpu checks each against its torch form, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -48,3 +50,26 @@ def gated(x: Tensor, activation: str = "silu") -> Tensor:
 def silu_mul(x: Tensor) -> Tensor:
     """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], one pass."""
     return gated(x, "silu")
+
+
+@triton.jit
+def _softcap_kernel(x_ptr, n, inv_cap, cap, BLOCK: tl.constexpr):
+    # in place, one block: cap * tanh(x / cap) with torch's roundings of a 16-bit tensor (each op computes in
+    # float32 and rounds): x times the float32 reciprocal of cap (torch divides by a scalar so), tanh
+    # (libdevice's tanhf, which torch's CUDA tanh calls), times cap
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n
+    x = tl.load(x_ptr + i, mask=valid, other=0.0)
+    y = (x.to(tl.float32) * inv_cap).to(x.dtype).to(tl.float32)
+    y = libdevice.tanh(y).to(x.dtype).to(tl.float32)
+    tl.store(x_ptr + i, (y * cap).to(x.dtype), mask=valid)
+
+
+def softcap_(x: Tensor, cap: float) -> Tensor:
+    """In place: x = cap * tanh(x / cap), equal bit for bit to torch.tanh(x / cap) * cap on a contiguous
+    16-bit x (Gemma 2's final logits: one read and write of [rows, vocab] instead of three)."""
+    assert x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
+    inv_cap = (torch.tensor(1.0) / torch.tensor(cap, dtype=torch.float32)).item()  # as torch's float32 opmath
+    block = 4096
+    _softcap_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), inv_cap, cap, BLOCK=block, num_warps=8)
+    return x

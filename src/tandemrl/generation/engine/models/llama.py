@@ -254,6 +254,10 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         logits = gathered_logits(hidden, weight, self.config.vocab_size, self.tp)
         cap = self.family.final_softcap
+        if cap and logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16) and logits.is_contiguous():
+            from tandemrl.generation.engine.layers.activation import softcap_
+
+            return softcap_(logits, cap)  # the same bits in one pass
         return logits if not cap else torch.tanh(logits / cap) * cap  # Gemma 2, in the logits' dtype as transformers
 
     @torch.no_grad()

@@ -5,6 +5,8 @@ and tests/gpu checks each against its torch form, bit for bit."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +71,12 @@ def softcap_(x: Tensor, cap: float) -> Tensor:
     """In place: x = cap * tanh(x / cap), equal bit for bit to torch.tanh(x / cap) * cap on a contiguous
     16-bit x (Gemma 2's final logits: one read and write of [rows, vocab] instead of three)."""
     assert x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
-    inv_cap = (torch.tensor(1.0) / torch.tensor(cap, dtype=torch.float32)).item()  # as torch's float32 opmath
     block = 4096
-    _softcap_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), inv_cap, cap, BLOCK=block, num_warps=8)
+    _softcap_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), _reciprocal32(cap), cap, BLOCK=block, num_warps=8)
     return x
+
+
+@functools.cache
+def _reciprocal32(cap: float) -> float:
+    # 1 / cap in float32, as torch's opmath computes it for a tensor divided by a scalar (once per cap, not a step)
+    return (torch.tensor(1.0) / torch.tensor(cap, dtype=torch.float32)).item()

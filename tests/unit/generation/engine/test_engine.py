@@ -466,3 +466,37 @@ def test_a_model_windowed_on_every_layer_frees_old_blocks_and_still_equals_trans
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
         assert completion.token_ids == expected[0, len(prompt) :].tolist()
     run(engine.close())
+
+
+def test_a_window_with_shared_prompts_preemption_and_an_abort_equals_each_request_alone(family_dirs):
+    """Mistral (window 6 on every layer), blocks of 4, a cache of 14 blocks: prompts past the window shared
+    by greedy and sampled requests (followers, prefix hits), one cancelled while its blocks are shared, then
+    every prompt sent again over blocks the window freed: each completion equals an engine serving it alone."""
+    model_dir = family_dirs["mistral"]
+    base = list(range(30, 50))  # 5 blocks, past the window
+    prompts = [base] * 4 + [base + [7, 8], base[:13], list(range(60, 75))]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i < 2 else 1.0, seed=i % 3, ignore_eos=True) for i in range(len(prompts))]
+    alone = make_engine(model_dir, block_size=4)
+    expected = []
+    for prompt, p in zip(prompts, params):
+        alone.blocks.reset_prefix_cache()  # nothing cached: each request on its own
+        expected.append(run(alone.generate(prompt, p)))
+    run(alone.close())
+    engine = make_engine(model_dir, block_size=4, kv_cache_tokens=14 * 4)
+
+    async def one_cancelled():
+        tasks = [asyncio.create_task(engine.generate(prompt, p)) for prompt, p in zip(prompts, params)]
+        victim = asyncio.create_task(engine.generate(base, SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True)))
+        while engine.stats()["engine/num_decode_tokens"] < 30:
+            await asyncio.sleep(0.001)
+        victim.cancel()
+        return await asyncio.gather(*tasks)
+
+    try:
+        for completions in (run(one_cancelled()), run(gather(engine, prompts, params))):
+            assert [c.token_ids for c in completions] == [c.token_ids for c in expected]
+            assert torch.allclose(torch.tensor(sum((c.logprobs for c in completions), [])), torch.tensor(sum((c.logprobs for c in expected), [])), atol=1e-4)
+        stats = engine.stats()
+        assert stats["engine/num_preemptions"] > 0 and stats["engine/num_prefix_hit_tokens"] > 0 and stats["engine/kv_blocks_used"] == 0
+    finally:
+        run(engine.close())

@@ -7,7 +7,7 @@ import pytest
 
 from tandemrl.generation.engine.kv_cache import NULL_BLOCK, BlockManager
 from tandemrl.generation.engine.scheduler import Scheduler
-from tandemrl.generation.engine.sequence import Sequence
+from tandemrl.generation.engine.sequence import Sequence, Status
 from tandemrl.types import SamplingParams
 
 
@@ -219,3 +219,104 @@ def test_without_a_window_nothing_is_freed_while_decoding():
     blocks.allocate(s)
     blocks.may_append(s)
     assert NULL_BLOCK not in s.block_table
+
+
+class ShadowCache:
+    """What each cache slot holds, as the context it was computed from: every position a step computes or
+    attends to (its last `window` positions, or all) must hold the KV of this sequence's own prefix."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.blocks, self.slots = scheduler, scheduler.blocks, {}
+
+    def slot(self, s: Sequence, position: int) -> int:
+        block_id = s.block_table[position // self.blocks.block_size]
+        assert block_id != NULL_BLOCK, f"position {position} of a sequence of {s.num_tokens} was freed"
+        return block_id * self.blocks.block_size + position % self.blocks.block_size
+
+    def attends(self, s: Sequence, query: int) -> None:
+        window = self.blocks.window
+        for key in range(max(0, query - window + 1) if window else 0, query + 1):
+            assert self.slots.get(self.slot(s, key)) == tuple(s.token_ids[: key + 1]), (query, key)
+
+    def run(self, batch) -> None:
+        """Writes every new position's KV, then reads (a step writes before any query reads), copies the
+        followers' last blocks, and appends a token that depends on (seed, position) alone."""
+        live = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if s.status is not Status.FINISHED]
+        for s, n in live:
+            for position in range(s.num_tokens - n, s.num_tokens):
+                self.slots[self.slot(s, position)] = tuple(s.token_ids[: position + 1])
+        for s, n in live:
+            for position in range(s.num_tokens - n, s.num_tokens):
+                self.attends(s, position)
+        size = self.blocks.block_size
+        for source, destination in batch.block_copies:
+            for offset in range(size):
+                self.slots[destination * size + offset] = self.slots.get(source * size + offset)
+        for s, n in live:
+            if n == 0:  # a follower samples from its leader's row: its own context must be in place too
+                self.attends(s, s.num_tokens - 1)
+        self.scheduler.postprocess(batch, [hash((s.seed, s.num_tokens)) % 4 for s in batch.seqs], [0.0] * len(batch.seqs), 0)
+
+    def check_references(self) -> None:
+        held: dict[int, int] = {}
+        for s in self.scheduler.running:
+            for block_id in s.block_table:
+                if block_id != NULL_BLOCK:
+                    held[block_id] = held.get(block_id, 0) + 1
+        assert self.blocks.blocks[NULL_BLOCK].ref_count == 0 and NULL_BLOCK not in self.blocks.free
+        for block in self.blocks.blocks[1:]:
+            assert block.ref_count == held.get(block.block_id, 0) and (block.ref_count == 0) == (block.block_id in self.blocks.free)
+
+
+@pytest.mark.parametrize("trial", range(150))
+def test_windows_sharing_preemption_aborts_and_next_turns_read_only_their_own_kv(trial):
+    """Random traffic over a small cache (forced preemptions): prompts sharing prefixes, groups of equal prompts
+    (followers), next turns of finished sequences, aborts, prefix-cache resets, look-ahead decodes, windows
+    narrower and wider than a block. Every position a step reads holds the KV of the reader's own prefix, and
+    reference counts match the block tables."""
+    import random
+
+    rng = random.Random(trial)
+    size, window = rng.choice([2, 3, 4, 8]), rng.choice([0, 1, 2, 5, 6, 9])
+    blocks = BlockManager(num_blocks=rng.randrange(12, 40), block_size=size, window=window)
+    scheduler = Scheduler(blocks, max_num_seqs=rng.choice([2, 3, 64]), max_num_batched_tokens=rng.choice([64, 200]), max_model_len=64,
+                          prefill_wait_steps=rng.choice([0, 0, 2]), overlap_prefills=rng.random() < 0.5)  # fmt: skip
+    shadow, ahead, finished = ShadowCache(scheduler), rng.random() < 0.5, []
+    roots = [[rng.randrange(4) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+
+    def add(tokens: list[int], copies: int = 1) -> None:
+        for _ in range(copies):
+            s = Sequence(list(tokens), SamplingParams(max_tokens=rng.randrange(1, 25)), seed=rng.randrange(2), stop_ids=frozenset())
+            if len(tokens) + s.params.max_tokens <= 40 and blocks.num_blocks_for(len(tokens) + s.params.max_tokens) <= blocks.num_blocks:
+                scheduler.add(s)
+
+    def step() -> bool:
+        before = list(scheduler.running)
+        batch = scheduler.schedule()
+        if batch is None:
+            return False
+        later = scheduler.schedule_ahead(batch) if ahead else None
+        shadow.run(batch)
+        if later is not None:
+            shadow.run(later)
+        shadow.check_references()
+        finished.extend(s for s in before if s.finish_reason == "length")
+        return True
+
+    for _ in range(120):
+        action = rng.random()
+        if action < 0.15:
+            root = rng.choice(roots)
+            add(root[: rng.randrange(1, len(root) + 1)] + [rng.randrange(4) for _ in range(rng.choice([0, 0, 2]))], rng.choice([1, 1, 3]))
+        elif action < 0.2 and finished:
+            add(rng.choice(finished).token_ids + [rng.randrange(4) for _ in range(rng.randrange(3))])
+        elif action < 0.23 and scheduler.num_unfinished():
+            scheduler.abort(rng.choice([*scheduler.running, *scheduler.waiting]))
+            scheduler.drop_finished()
+        elif action < 0.235:
+            blocks.reset_prefix_cache()
+        else:
+            step()
+    while step():
+        pass
+    assert scheduler.num_unfinished() == 0 and blocks.num_free_blocks == blocks.num_blocks

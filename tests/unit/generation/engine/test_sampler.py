@@ -125,3 +125,35 @@ def test_a_penalised_row_samples_and_reports_the_penalised_distribution():
     assert token_ids.item() == 1  # 3.0 / 1.5 = 2.0 < 2.9
     expected = torch.tensor([[2.0, 2.9, -1.0, -1.0]]).log_softmax(-1)[0, 1]
     assert torch.allclose(logprobs, expected[None])
+
+
+def test_greedy_rows_take_the_argmax_of_logits_an_ulp_apart():
+    # log_softmax rounded 1.0 and the float below it (-L with L ~ 3.4) to one logprob, and the argmax of
+    # that tie took index 0: not the largest logit
+    logits = torch.full((2, 50), 0.5)
+    logits[:, 0] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    logits[:, 1] = 1.0
+    for top_k in (-1, 5):
+        tokens, _, _ = sample(logits, tensors(2, temperature=0.0, top_k=top_k, vocab=50))
+        assert tokens.tolist() == [1, 1]
+
+
+def test_top_p_inside_a_tie_at_the_top_keeps_the_exact_prefix():
+    # 50 equal logits, top_p 0.5: 25 of them hold exactly half the mass, so 25 stay (a float32 cumsum of
+    # softmax's 0.02 stayed under 0.5 there and kept 26); other thresholds that fall exactly on a tied token's edge
+    for vocab, top_p, kept in [(50, 0.5, 25), (64, 0.5, 32), (8, 0.25, 2), (100, 0.75, 75)]:
+        filtered = filter_logits(torch.zeros(3, vocab), tensors(3, top_p=top_p, vocab=vocab))
+        assert filtered.isfinite().sum(-1).tolist() == [kept] * 3
+        assert filtered[:, :kept].isfinite().all()  # the lowest indices, as a stable sort keeps
+
+
+def test_a_temperature_does_not_tie_logits_an_ulp_apart():
+    # 1.7 and the float above it, divided by 0.01 or 100, round to one float32: top-k 1 kept the lower index,
+    # the smaller logit; the order is the logits' own, as the kernel's
+    low = torch.tensor(1.7)
+    high = torch.nextafter(low, torch.tensor(2.0))
+    for temperature in (0.01, 100.0):
+        assert (low / temperature) == (high / temperature)
+        logits = torch.stack([low, high, torch.tensor(0.2)]).expand(4, -1)
+        tokens, _, floors = sample(logits, tensors(4, temperature=temperature, top_k=1, vocab=3))
+        assert tokens.tolist() == [1] * 4 and torch.isfinite(floors).all()

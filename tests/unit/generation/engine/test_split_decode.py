@@ -194,3 +194,24 @@ def test_the_step_inputs_kernel_equals_the_torch_forms():
     assert torch.equal(keys, state.sampling(rows, needs_filter=False).keys)
     meta, sampling = state.step(rows, block, gather=False, needs_filter=False)  # the kernel on a GPU, the torch forms elsewhere
     assert torch.equal(meta.slot_mapping, slots) and torch.equal(sampling.keys, keys)
+
+
+@needs_triton
+def test_filtered_sampling_kernel_equals_the_torch_sampler_on_ulp_ties_and_exact_tie_masses():
+    # rows where the torch sampler once differed from the kernel (the kernel was right): greedy rows over
+    # logits an ulp apart (log_softmax rounded them into a tie, the argmax took the smaller), a temperature
+    # (0.01, 100) that rounds logits an ulp apart into a tie (top-k 1 kept the lower index), and top-p 0.5
+    # over 50 equal logits (25 hold exactly half the mass: softmax's float32 cumsum kept 26)
+    vocab = 50
+    low = torch.tensor(1.7)
+    logits = torch.full((6, vocab), 0.5)
+    logits[:2, 3], logits[:2, 9] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)), 1.0
+    logits[2:4, 3], logits[2:4, 9] = low, torch.nextafter(low, torch.tensor(2.0))
+    logits[4:] = 0.25
+    temperatures = torch.tensor([0.0, 0.0, 0.01, 100.0, 1.0, 0.3])
+    top_k = torch.tensor([vocab, 5, 1, 1, vocab, vocab])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.5])
+    _filtered_against_torch(logits, temperatures, top_k, top_p, torch.zeros(6))
+    ids, logprobs, _ = sample(logits, SamplingTensors(temperatures, top_k, top_p, torch.zeros(6), row_keys(torch.arange(6), torch.zeros(6, dtype=torch.int64)), True))
+    assert ids[:4].tolist() == [9] * 4
+    assert torch.allclose(logprobs[4:], torch.tensor(1 / 25).log())

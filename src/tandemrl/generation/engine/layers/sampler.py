@@ -120,16 +120,21 @@ def sampling_rows(params: list[SamplingParams], vocab_size: int, *, pad: int = 0
     return top_k, floats, any(p.filters for p in params)
 
 
-def filter_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """Sets excluded tokens to -inf: top-k, then top-p, then min-p, each on what the last left."""
+def filter_logits(logits: Tensor, t: SamplingTensors, *, order_by: Tensor | None = None) -> Tensor:
+    """Sets excluded tokens to -inf: top-k, then top-p, then min-p, each on what the last left. order_by:
+    the logits before the temperature, whose order ranks the tokens (as the kernel's: dividing by a
+    temperature can round float32 logits an ulp apart into a tie, which would keep the lower index)."""
     vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]; ties: lower index first
+    order = (logits if order_by is None else order_by).sort(dim=-1, descending=True, stable=True).indices  # ties: lower index first
+    sorted_logits = logits.gather(-1, order)  # [B, V]
     ranks = torch.arange(vocab_size, device=logits.device)[None, :]
     excluded = ranks >= t.top_k[:, None]  # [B, V] in sorted order
     sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    excluded |= ((probs.cumsum(-1) - probs) >= t.top_p[:, None]) & (t.top_p[:, None] < 1.0)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays), on masses relative
+    # to the top (the kernel's): tokens tied with the top weigh exactly 1, so a threshold inside that tie
+    # falls where exact arithmetic puts it (softmax's float32 cumsum of 50 x 0.02 kept 26 of them at 0.5)
+    weights = (sorted_logits - sorted_logits[:, :1]).exp()
+    excluded |= ((weights.cumsum(-1) - weights) >= t.top_p[:, None] * weights.sum(-1, keepdim=True)) & (t.top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
     probs = sorted_logits.softmax(-1)
     excluded |= probs < t.min_p[:, None] * probs[:, :1]
@@ -148,12 +153,13 @@ def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor, Tensor |
     scaled = logits / torch.where(greedy, 1.0, t.temperatures)[:, None]
     floors = None
     if t.needs_filter:
-        filtered = filter_logits(scaled, t)
+        filtered = filter_logits(scaled, t, order_by=logits)
         floors = logit_floors(scaled, filtered, t, greedy)
         scaled = torch.where(greedy[:, None], scaled, filtered)
     logprobs = scaled.log_softmax(-1)
     noise = gumbel_noise(t.keys, logits.shape[-1]).masked_fill_(greedy[:, None], 0.0)
-    token_ids = (logprobs + noise).argmax(-1)
+    # greedy rows: the argmax of the logits themselves (log_softmax's rounding can tie logits an ulp apart)
+    token_ids = torch.where(greedy, scaled.argmax(-1), (logprobs + noise).argmax(-1))
     return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0], floors
 
 

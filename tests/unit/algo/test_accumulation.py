@@ -3,6 +3,9 @@
 The reference is written the way TRL writes it, on a padded [S, T] batch, independently of token_weights.
 """
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -122,3 +125,106 @@ def test_microbatch_accumulation_equals_one_big_batch_in_loss_and_gradient(confi
     for grad, p in zip(grads, policy.parameters()):
         assert p.grad.abs().sum() > 0
         torch.testing.assert_close(grad, p.grad, atol=1e-6, rtol=1e-5)
+
+
+def _loop_reference(seqs, logprobs, config, *, beta, tis_cap, num_sequences, num_tokens, keep):
+    """The step loss as a float64 loop over sequences and tokens, straight from TRL's documented formula."""
+    total = torch.zeros((), dtype=torch.float64)
+    for s, lp, kept in zip(seqs, logprobs, keep):
+        trained = [t for t, m in enumerate(s["mask"]) if m]
+        n = len(trained)
+        if n == 0:
+            continue
+        sequence_log_ratio = sum(lp[t] - s["old"][t] for t in trained) / n
+        sequence_log_is = sum(s["old"][t] - s["behaviour"][t] for t in trained)
+        for t in trained:
+            ratio = torch.exp(sequence_log_ratio if config.ratio_level == "sequence" else lp[t] - s["old"][t])
+            if config.objective == "cispo":
+                term = -min(ratio.item(), config.clip_high) * s["advantage"] * lp[t]
+            else:
+                capped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
+                clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
+                term = -torch.min(capped * s["advantage"], clipped * s["advantage"])
+            term = term * kept[t]
+            w = math.exp(sequence_log_is if config.tis_mode.startswith("sequence") else s["old"][t] - s["behaviour"][t])
+            if config.tis_mode.endswith("truncate"):
+                w = min(max(w, config.tis_min), tis_cap)
+            else:
+                w = w if config.tis_min <= w <= tis_cap else 0.0
+            d = s["ref"][t] - lp[t]
+            kl = torch.exp(d) - d - 1
+            term = term * w + beta * (kl * ratio if config.kl_bias_correction else kl)
+            if config.aggregation == "token_mean":
+                total = total + term / num_tokens
+            elif config.aggregation == "seq_mean_token_mean":
+                total = total + term / (n * num_sequences)
+            else:
+                total = total + term / (num_sequences * MAX_COMPLETION_LENGTH)
+    return total
+
+
+LOOP_CASES = [
+    LossConfig(
+        clip_low=0.2, clip_high=0.28 if objective == "clip" else 1.4, aggregation=aggregation, ratio_level=level,
+        objective=objective, delta=delta, tis_mode=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")[i % 4],
+        tis_min=(0.0, 0.6)[i // 4 % 2], kl_bias_correction=i % 3 != 0,
+    )  # fmt: skip
+    for i, (aggregation, level, (objective, delta)) in enumerate(
+        (a, lv, o)
+        for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+        for lv in ("token", "sequence")
+        for o in (("clip", None), ("clip", 1.5), ("cispo", None))
+    )
+]
+
+
+@pytest.mark.parametrize("case", range(len(LOOP_CASES)))
+def test_policy_loss_split_in_micro_batches_equals_a_per_token_loop_in_value_and_gradient(case):
+    """Every option at once against `_loop_reference`: clip both sides (ratios far from 1), delta, cispo,
+    every importance-sampling mode with and without a floor, KL with and without the ratio, tokens dropped
+    by `keep`, fully masked sequences, zero advantages; the step cut in 3 micro-batches with global counts."""
+    config, rng = LOOP_CASES[case], torch.Generator().manual_seed(case)
+    rand = lambda *shape: torch.rand(shape, generator=rng, dtype=torch.float64)  # noqa: E731
+    seqs = []
+    for i in range(6):
+        length = int(torch.randint(1, 9, (), generator=rng))
+        old = -3 * rand(length)
+        seqs.append(dict(
+            mask=(rand(length) < 0.8).tolist() if i != 1 else [False] * length, old=old.tolist(),
+            behaviour=(old + 1.6 * rand(length) - 0.8).tolist(), ref=(old + rand(length) - 0.5).tolist(),
+            advantage=(0.0, 1.3, -0.7, -1.0, 2.0, 0.4)[i], current=(old + (6 * rand(length) - 3) * (i % 3) / 2).tolist(),
+        ))  # fmt: skip
+    keep = [(rand(len(s["mask"])) < 0.7).double().tolist() for s in seqs]
+    num_sequences, num_tokens = len(seqs) + 2, sum(sum(s["mask"]) for s in seqs) + 3  # the step has more, elsewhere
+    leaves = [torch.tensor(s["current"], dtype=torch.float64, requires_grad=True) for s in seqs]
+    expected = _loop_reference(
+        seqs, leaves, config, beta=0.1, tis_cap=1.7, num_sequences=num_sequences, num_tokens=num_tokens, keep=keep
+    )  # fmt: skip
+    expected.backward()
+
+    total = torch.zeros((), dtype=torch.float64)
+    grads = [None] * len(seqs)
+    for part in ([0, 3], [1], [2, 4, 5]):
+        f64 = lambda key: torch.tensor([v for i in part for v in seqs[i][key]], dtype=torch.float64)  # noqa: E731
+        batch = SimpleNamespace(
+            loss_mask=torch.tensor([v for i in part for v in seqs[i]["mask"]]), old_logprobs=f64("old"),
+            behaviour_logprobs=f64("behaviour"), advantages=torch.tensor([seqs[i]["advantage"] for i in part for _ in seqs[i]["mask"]]).double(),
+            seq_index=torch.tensor([j for j, i in enumerate(part) for _ in seqs[i]["mask"]]),
+        )  # fmt: skip
+        logprobs = f64("current").requires_grad_(True)
+        weights = token_weights(
+            batch.seq_index, batch.loss_mask, aggregation=config.aggregation, num_sequences=num_sequences,
+            num_tokens=num_tokens, max_completion_length=MAX_COMPLETION_LENGTH,
+        )  # fmt: skip
+        loss, _ = policy_loss(
+            batch, logprobs, config=config, weights=weights.double(), ref_logprobs=f64("ref"), beta=0.1, tis_cap=1.7,
+            keep=torch.tensor([v for i in part for v in keep[i]]).bool(),
+        )  # fmt: skip
+        loss.backward()
+        total = total + loss.detach()
+        for i, grad in zip(part, logprobs.grad.split([len(seqs[i]["mask"]) for i in part])):
+            grads[i] = grad
+
+    torch.testing.assert_close(total, expected.detach(), atol=1e-7, rtol=1e-6)  # token_weights are float32
+    for grad, leaf in zip(grads, leaves):  # a fully masked sequence has no gradient in the loop
+        torch.testing.assert_close(grad, torch.zeros_like(leaf) if leaf.grad is None else leaf.grad, atol=1e-7, rtol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -191,3 +192,108 @@ def test_a_microbatch_with_no_trained_token_adds_nothing_and_crashes_nothing():
     assert any(g.abs().max() > 1e-4 for g in big.values())
     for name in big:
         torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-7)
+
+
+def _traced_batch(seed: int) -> Batch:
+    """Groups of multi-turn rollouts (sampled, context, sampled), some truncated, one group of zero advantages."""
+    from tandemrl.types import RolloutStatus
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(3):
+        rollouts, prompt = [], [rng.randrange(3, 300) for _ in range(rng.randint(2, 6))]
+        for _ in range(3):
+            trace = TokenTrace()
+            trace.append_context(prompt)
+            for turn in range(rng.choice([1, 2])):
+                if turn:
+                    trace.append_context([rng.randrange(3, 300) for _ in range(rng.randint(1, 3))])
+                n = rng.randint(1, 7)
+                trace.append_sampled(Completion(
+                    token_ids=[rng.randrange(3, 300) for _ in range(n)], logprobs=[-rng.uniform(4, 7) for _ in range(n)],
+                    finish_reason="stop", policy_versions=[0] * n,
+                ))  # fmt: skip
+            truncated = rng.random() < 0.3
+            rollouts.append(Rollout(example=Example(prompt="p"), trace=trace, status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK))
+        advantages = [rng.uniform(-1, 1) for _ in range(3)] if g else [0.0] * 3
+        groups.append(Group(example=Example(prompt="p"), rollouts=rollouts, advantages=advantages))
+    return Batch(groups=groups, policy_version=0)
+
+
+def _per_trace_reference(model, reference, batch: Batch, algo: AlgoConfig, temperature: float) -> torch.Tensor:
+    """The step loss from each trace's own unpacked forward, in float64 loops (TRL's formula; num_iterations 1,
+    so the ratio is 1 with the policy gradient; one micro-batch, so the entropy quantile is the whole step's)."""
+    from tandemrl.algo.presets import loss_config
+    from tandemrl.types import RolloutStatus
+
+    config = loss_config(algo)
+    rows = []
+    for group in batch.groups:
+        for rollout, advantage in zip(group.rollouts, group.advantages):
+            ids = rollout.trace.token_ids
+            masked = algo.mask_truncated_completions and rollout.status is RolloutStatus.TRUNCATED
+            at = [j for j in range(len(ids) - 1) if rollout.trace.loss_mask[j + 1] and not masked]
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double() / temperature, -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():
+                ref = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].double() / temperature, -1)
+            rows.append([(logp[j, ids[j + 1]], ref[j, ids[j + 1]], rollout.trace.logprobs[j + 1], entropy[j]) for j in at])
+    tokens = [t for row in rows for t in row]
+    threshold = torch.quantile(torch.stack([t[3].detach() for t in tokens]).float(), 1 - algo.top_entropy_quantile).item()
+    loss, kept = torch.zeros((), dtype=torch.float64), []
+    for row, advantage in zip(rows, [a for g in batch.groups for a in g.advantages]):
+        n = len(row)
+        sequence_ratio = torch.exp(sum((lp - lp.detach() for lp, *_ in row), torch.zeros((), dtype=torch.float64)) / max(n, 1))
+        sequence_is = math.exp(sum(lp.item() - behaviour for lp, _, behaviour, _ in row))
+        for lp, ref, behaviour, entropy in row:
+            ratio = sequence_ratio if config.ratio_level == "sequence" else torch.exp(lp - lp.detach())
+            term = -torch.min(ratio * advantage, ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * advantage)
+            weight = sequence_is if config.tis_mode.startswith("sequence") else math.exp(lp.item() - behaviour)
+            if algo.tis_cap:
+                weight = min(weight, algo.tis_cap) if config.tis_mode.endswith("truncate") else weight * (weight <= algo.tis_cap)
+            keep = entropy.item() >= threshold - 1e-6
+            kept += [entropy] if keep else []
+            d = ref - lp
+            kl = (torch.exp(d) - d - 1) * (ratio if config.kl_bias_correction else 1.0)
+            term = term * weight * keep + algo.beta * kl
+            normaliser = {"token_mean": len(tokens), "seq_mean_token_mean": n * len(rows)}.get(config.aggregation, len(rows) * algo.max_completion_length)
+            loss = loss + term / normaliser
+    return loss - algo.entropy_coef * sum(kept) / len(kept)
+
+
+@pytest.mark.parametrize(
+    "algo, max_tokens, temperature",
+    [
+        (dict(loss_type="grpo", mask_truncated_completions=True, beta=0.3), 14, 1.0),
+        (dict(loss_type="dr_grpo", max_completion_length=9, entropy_coef=0.2, tis_mode="token_mask", tis_cap=3.0), 14, 1.0),
+        (dict(loss_type="gspo", beta=0.3, mask_truncated_completions=True), 14, 0.7),
+        (dict(loss_type="bnpo", mask_truncated_completions=True, entropy_coef=0.3, tis_mode="sequence_truncate"), 14, 1.0),
+        (dict(loss_type="dapo", top_entropy_quantile=0.4, entropy_coef=0.3, use_bias_correction_kl=False, beta=0.3), 10_000, 0.7),
+    ],
+    ids=["grpo-masked-kl", "dr_grpo-entropy-mask_is", "gspo-kl", "bnpo-masked-entropy", "dapo-top_entropy"],
+)
+def test_step_loss_and_gradient_equal_a_per_trace_reference(algo, max_tokens, temperature):
+    """The whole trainer (packing, micro-batches, global counts, masked truncated traces still counted as
+    sequences, entropy bonus, KL to a reference that differs) against unpacked per-trace forwards."""
+    import copy
+
+    algo = AlgoConfig(**algo)
+    model = build_model(build_tokenizer(), seed=1)
+    expected_model = copy.deepcopy(model).double()
+    config = TrainerConfig(learning_rate=1e-2, max_tokens_per_microbatch=max_tokens, max_grad_norm=0.0)
+    trainer = Trainer(config, algo, model, max_steps=2, temperature=temperature)
+    reference = expected_model
+    if algo.beta:
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=generator))
+        reference = copy.deepcopy(trainer.reference).double()
+    batch = _traced_batch(seed=3)
+    metrics = trainer.train_step(batch)
+    expected = _per_trace_reference(expected_model, reference, batch, algo, temperature)
+    expected.backward()
+
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-3, atol=1e-6, msg=name)

@@ -51,6 +51,34 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     assert all(m["rollout/policy_lag_max"] == 0 for m in metrics(split))  # on-policy, resume included
 
 
+@pytest.mark.slow
+def test_evaluation_leaves_training_and_resume_bitwise(tmp_path, tiny_model_dir):
+    """--eval_dataset every step: the weights equal a run's without evaluation, and a run resumed from
+    checkpoint-2 equals the uninterrupted one. The next step's groups were sampled beside the evaluation's
+    prompts, and batched with them their sampler logprobs came out otherwise (the loss weighs them): both
+    differed from step 2 (pipeline/loop.py evaluates before admitting the next step's groups now)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"prompt {i}"} for i in range(6)])
+    evals = ["--eval_dataset", write_jsonl(tmp_path / "e.jsonl", [{"prompt": f"eval {i}"} for i in range(3)]), "--eval_steps", "1"]
+    rewards = reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    return [float(len(c) % 3) for c in completions]\n")
+    common = ["--model", tiny_model_dir, "--dataset", data, "--reward_funcs", rewards, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0", *TINY]
+    full, resumed, plain = tmp_path / "full", tmp_path / "resumed", tmp_path / "plain"
+    for run_dir, flags in ((full, evals), (plain, [])):
+        result = tandem("train", "--output_dir", str(run_dir), *common, *flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+    shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("checkpoint-4"))
+    result = tandem("train", "--output_dir", str(resumed), "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert all("eval_reward" in m for m in metrics(resumed))
+    weights = {run_dir: load_file(run_dir / "checkpoint-4" / "model.safetensors") for run_dir in (full, resumed, plain)}
+    for run_dir in (resumed, plain):
+        assert all(weights[full][k].equal(weights[run_dir][k]) for k in weights[full]), run_dir.name
+    trained = ("loss", "grad_norm", "sampling/sampling_logp_difference/mean")
+    assert [[m[k] for k in trained] for m in metrics(full)] == [[m[k] for k in trained] for m in metrics(resumed)]
+
 def test_generation_kwargs_temperature_is_the_trainers_too(tmp_path):
     """--generation_kwargs' temperature reaches the trainer as well as the sampler: at lag 0 the two score
     the sampled tokens alike (it reached the sampler only once: KL 0.033 on an H200, 0.002 here)."""

@@ -83,14 +83,16 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             _check_mismatch(metrics, settings.logprob_mismatch_warning, step + 1)
             num_constant = num_constant + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             warn_constant_reward(num_constant, step + 1)
-            buffer.release(p)  # the weights trained on these groups are live: admit the next ones
             metrics["pipeline/queue_depth"] = float(buffer.num_ready)
             metrics["step_time"] = time.perf_counter() - started
             metrics["time/other"] = metrics["step_time"] - sum(metrics.get(k, 0.0) for k in PHASES if k != "time/other")
             tokens_seen += sum(len(r.trace.token_ids) for g in groups if not failed(g) for r in g.rollouts)
             metrics["num_tokens"] = float(tokens_seen)
+            # evaluated before the release: at S = 0 the next step's groups are then never sampled beside the eval's
+            # prompts (batched together, their logprobs came out otherwise, so the run trained otherwise: resume too)
             if parts.evals is not None and parts.evals.due(step + 1, settings.max_steps) and parts.dp.is_main:
                 metrics.update(await evaluate(parts, parts.evals, step + 1, seed=settings.seed))
+            buffer.release(p)  # the weights trained on these groups are live: admit the next ones
             parts.logger.log(step + 1, metrics)
             parts.progress.update(step + 1, metrics)
             if settings.planned_peaks_gib and step + 1 in (min(start_step + 2, settings.max_steps), settings.max_steps):

@@ -17,6 +17,7 @@ from tandemrl.data.cursor import PromptCursor
 from tandemrl.pipeline import loop as loop_module
 from tandemrl.pipeline.buffer import RolloutBuffer
 from tandemrl.pipeline.loop import LoopParts, LoopSettings, run_loop
+from tandemrl.pipeline.parts import EvalSet
 from tandemrl.rewards.base import RewardFunc
 from tandemrl.train.config import OffloadConfig
 from tandemrl.train.offload import TrainerOffload
@@ -111,7 +112,7 @@ def random_reward(rng: random.Random) -> RewardFunc:
 
 def run(
     max_staleness: int, *, steps: int, seed: int, tmp_path: Path, start_step: int = 0, cursor: PromptCursor | None = None,
-    reward: RewardFunc | None = None, **overrides,
+    reward: RewardFunc | None = None, evals: EvalSet | None = None, **overrides,
 ):  # fmt: skip
     rng = random.Random(seed)
     events = Events()
@@ -123,7 +124,7 @@ def run(
         examples=examples, prompt_ids=[[i] for i in range(40)], cursor=cursor or PromptCursor(40, seed=seed),
         generator=generator, sync=FakeSync(generator), trainer=trainer, tokenizer=Tokenizer(),
         reward_funcs=[reward or random_reward(rng)], reward_weights=None, params=SamplingParams(max_tokens=NUM_TOKENS),
-        logger=Quiet(), progress=Quiet(), run_dir=tmp_path,
+        logger=Quiet(), progress=Quiet(), run_dir=tmp_path, evals=evals,
     )
     settings = LoopSettings(
         max_steps=steps, num_prompts_per_step=P, num_generations=G, scale_rewards="none", drop_zero_variance_groups=False,
@@ -242,6 +243,32 @@ def test_resume_regenerates_groups_in_flight_exactly_once(tmp_path, saved):
     resumed = [e[1] for e in events if e[0] == "train"]
     assert resumed == [i for i, _ in whole][4 * P :]
 
+
+
+def test_evaluation_at_s0_samples_alone_so_a_run_with_it_trains_as_one_without(tmp_path, saved, monkeypatch):
+    """At S = 0 nothing of the next step is sampled while the evaluation samples: the next step's groups
+    are admitted once it is done. They were admitted before it, so the engine batched the two together and
+    the next step's sampler logprobs came from another batch (float sums in another order): on CPU a run
+    with --eval_dataset trained otherwise than one without (its weights differed from step 2), and one
+    resumed from a checkpoint otherwise than the uninterrupted run (which had evaluated beside that step)."""
+    in_flight = {"eval": 0, "train": 0}
+    overlaps = []
+    generate = FakeGenerator.generate
+
+    async def tracked(self, prompt_ids, params):
+        kind = "eval" if prompt_ids[0] >= 1000 else "train"
+        in_flight[kind] += 1
+        overlaps.append(in_flight["eval"] > 0 and in_flight["train"] > 0)
+        try:
+            return await generate(self, prompt_ids, params)
+        finally:
+            in_flight[kind] -= 1
+
+    monkeypatch.setattr(FakeGenerator, "generate", tracked)
+    evals = EvalSet(examples=[Example(prompt=f"e{i}", index=i) for i in range(2)], prompt_ids=[[1000 + i] for i in range(2)], eval_steps=1, num_generations=G)
+    _, metrics, _ = run(0, steps=4, seed=3, tmp_path=tmp_path, evals=evals)
+    assert all("eval_reward" in m for m in metrics) and len(overlaps) == 4 * (P + 2) * G
+    assert not any(overlaps)
 
 
 def flat_for_even_prompts() -> RewardFunc:

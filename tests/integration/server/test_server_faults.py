@@ -295,3 +295,17 @@ def test_an_openai_request_with_more_choices_than_free_slots_is_a_503_before_any
     assert after["tandem_generated_tokens_total"] == before["tandem_generated_tokens_total"]  # no generation ran
     ok = httpx.post(small_server.url + "/v1/completions", json={**body, "n": 4, "max_tokens": 2, "stream": True}, timeout=60)
     assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_blocking_generate_with_more_samples_than_free_slots_is_a_503_before_any_starts(small_server):
+    """Native /generate with n over the free slots first ran the n that fitted to their end, holding every
+    slot (and then counted them against itself: '4 requests pending; 1 more do not fit'), before its 503;
+    the async form and the OpenAI routes refused at once. Now a 503 at once, nothing generated."""
+    before = small_server.metrics()
+    started = time.monotonic()
+    refused = small_server.post("/generate", {"prompt": "many", "max_tokens": 100, "ignore_eos": True, "n": 5})  # the server takes 4
+    assert refused.status_code == 503 and "5 more do not fit" in refused.json()["detail"], refused.text
+    assert time.monotonic() - started < 5
+    after = small_server.metrics()
+    assert after["tandem_generated_tokens_total"] == before["tandem_generated_tokens_total"]  # no generation ran
+    assert small_server.post("/generate", {"prompt": "many", "max_tokens": 2, "n": 4}).status_code == 200

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
@@ -50,6 +50,13 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, description="Only 0: no frequency penalty here (repetition_penalty is vLLM's alternative).")
     presence_penalty: float | None = Field(None, description="Only 0: no presence penalty here (repetition_penalty is vLLM's alternative).")
     logit_bias: dict[str, float] | None = Field(None, description="Only empty: no logit bias here.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API takes null for any field left unset (n, stream, echo, logprobs: the openai client's types
+        allow None): such a field takes its default here too. Example: {"n": null} -> {}."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def check_supported(self) -> None:
         """What an OpenAI client may ask that this server would otherwise ignore silently: a clear 400 instead."""

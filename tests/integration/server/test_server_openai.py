@@ -132,6 +132,21 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(oai, tiny_m
         assert create(**base, **noop).choices[0].finish_reason in ("stop", "length")
 
 
+def test_null_is_unset_as_in_openais_api(oai, tiny_model_dir):
+    """OpenAI's API (and the openai client's types: n: Optional[int], stream, logprobs, echo) take null for
+    an unset field; n, stream, echo and chat's logprobs were a 400 ('n: Input should be a valid integer')."""
+    chat = dict(model=tiny_model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    text = dict(model=tiny_model_dir, prompt="x", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    nulls = dict(n=None, stream=None, logprobs=None, seed=None, stop=None, top_p=None, stream_options=None)
+    plain = oai.chat.completions.create(**chat, **nulls, top_logprobs=None)
+    assert len(plain.choices) == 1 and plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == oai.chat.completions.create(**chat).choices[0].message.content
+    answer = oai.completions.create(**text, **nulls, echo=None, best_of=None, suffix=None)
+    assert len(answer.choices) == 1 and answer.choices[0].text == oai.completions.create(**text).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="messages: Field required"):
+        oai.chat.completions.create(model=tiny_model_dir, messages=None, max_tokens=2)
+
+
 def test_streaming_sends_usage_last_when_asked(oai, tiny_model_dir):
     args = dict(model=tiny_model_dir, prompt="the answer", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}, stream=True)
     chunks = list(oai.completions.create(**args, stream_options={"include_usage": True}))

@@ -129,7 +129,7 @@ class Result(BaseModel):
     policy_versions: list[int] = Field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     routes: str | None = Field(None, description="base64 of Completion.routes: each token's experts per sparse layer (tandem rollout --routing_replay).")
-    logit_floors: list[float] | None = Field(None, description="Completion.logit_floors: per token, the tempered-logit floor of what top-k/top-p/min-p kept.")
+    logit_floors: list[float] | None = Field(None, description="Completion.logit_floors: per token, the tempered-logit floor of what top-k/top-p/min-p kept (null: nothing excluded, -inf in Completion).")
     finish_reason: Literal["stop", "length", "abort", "error"] = "abort"
     text: str = ""
     error: str | None = None

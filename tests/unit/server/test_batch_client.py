@@ -134,3 +134,32 @@ def test_the_calls_on_a_server_gone_silent_move_to_another_within_the_silence_de
             assert [c.token_ids for c in results] == [[i, i] for i in range(4)] and posts == ["b", "b"]
         else:
             assert all(isinstance(e, TimeoutError) and "http://a answered nothing for 0.3 s" in str(e) for e in results)
+
+
+def test_a_floor_of_a_token_that_excluded_nothing_crosses_the_wire_as_no_floor():
+    """A filtering row that excludes nothing (min-p over a flat distribution, top-k past the vocabulary)
+    reports the floor -inf. The server's NDJSON (pydantic) writes it as null; the client must read that
+    back as -inf, not None: packed as NaN, the trainer kept only the target there (logprob 0, ratio far from 1)."""
+    import torch
+
+    from tandemrl.algo.logprobs import truncated
+    from tandemrl.server.batch import _encode
+    from tandemrl.server.wire import BatchResult
+    from tandemrl.train.batching import pack
+    from tandemrl.types import TokenTrace
+
+    def handle(_, items):
+        results = [BatchResult(request_id=i["request_id"], token_ids=[3, 4], logprobs=[-1.0, -2.0], policy_versions=[0, 0],
+                               logit_floors=[float("-inf"), 0.5], finish_reason="length") for i in items]  # fmt: skip
+        return httpx.Response(200, content=_encode(results))
+
+    gen, _ = generator(handle, urls=URLS[:1])
+    (completion,) = run(gen, [[1]])
+    assert completion.logit_floors == [float("-inf"), 0.5]
+    trace = TokenTrace()
+    trace.append_context([1])
+    trace.append_sampled(completion)
+    floors = pack([trace], [0.0]).logit_floors
+    assert floors[:2].tolist() == [float("-inf"), 0.5]
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.2]])
+    assert truncated(logits, floors[:1], torch.tensor([3]), 1.0).equal(logits)  # nothing excluded, as sampled

@@ -26,7 +26,7 @@ from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote.liveness import Liveness, SilentServer
 from tandemrl.generation.tick import TickBatcher
 from tandemrl.types import MAX_BATCH_ITEMS
-from tandemrl.types import Completion
+from tandemrl.types import NO_FLOOR, Completion
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.25
@@ -190,12 +190,13 @@ def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any
     if result.get("status", 200) >= 400:
         future.set_exception(ServerError(url, result["status"], result.get("error") or ""))
         return
-    top, routes = result.get("top_logprobs"), result.get("routes")
+    top, routes, floors = result.get("top_logprobs"), result.get("routes"), result.get("logit_floors")
     future.set_result(Completion(
         token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"],
         top_logprobs=None if top is None else [{int(i): v for i, v in row.items()} for row in top],
-        routes=None if routes is None else base64.b64decode(routes), logit_floors=result.get("logit_floors"),
-    ))  # fmt: skip
+        routes=None if routes is None else base64.b64decode(routes),
+        logit_floors=None if floors is None else [NO_FLOOR if f is None else f for f in floors],
+    ))  # fmt: skip; a floor of null: the server's JSON for -inf (a filtering row that excluded nothing)
 
 
 def _fail(calls: list[Call], error: Exception) -> None:

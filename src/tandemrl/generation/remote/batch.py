@@ -195,8 +195,8 @@ def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any
         token_ids=result["token_ids"], logprobs=result["logprobs"], finish_reason=result["finish_reason"], policy_versions=result["policy_versions"],
         top_logprobs=None if top is None else [{int(i): v for i, v in row.items()} for row in top],
         routes=None if routes is None else base64.b64decode(routes),
-        logit_floors=None if floors is None else [NO_FLOOR if f is None else f for f in floors],
-    ))  # fmt: skip; a floor of null: the server's JSON for -inf (a filtering row that excluded nothing)
+        logit_floors=None if floors is None else [NO_FLOOR if f is None else f for f in floors],  # null: JSON's -inf (nothing excluded)
+    ))  # fmt: skip
 
 
 def _fail(calls: list[Call], error: Exception) -> None:

@@ -8,17 +8,25 @@ training cursor and trains nothing, so a run with evaluation trains exactly as t
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from tandemrl.pipeline.parts import EvalSet, LoopParts
-from tandemrl.pipeline.producer import reward_metrics, score_groups
+from tandemrl.pipeline.producer import mark_failed, reward_metrics, score_groups
+from tandemrl.pipeline.settings import LoopSettings
+from tandemrl.rewards.base import RewardTimeoutError, TrainerState
 from tandemrl.rollout.group import failed, play_group
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 7_777_777  # eval samples with seeds apart from every training step's
 
 
-async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, seed: int) -> dict[str, float]:
-    """eval_* metrics of every eval prompt, num_generations completions each, at the current weights."""
+async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, settings: LoopSettings) -> dict[str, float]:
+    """eval_* metrics of every eval prompt, num_generations completions each, at the current weights (`step`
+    optimizer steps done). Rewards are called as in training: the run's trainer_state, --reward_timeout_s
+    (past it the groups count as failed) and --reward_nonfinite."""
+    seed = settings.seed
     g = evals.num_generations
     groups = await asyncio.gather(*(
         play_group(
@@ -28,7 +36,15 @@ async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, seed: int) ->
         for i, (example, ids) in enumerate(zip(evals.examples, evals.prompt_ids))
     ))  # fmt: skip
     ok = [group for group in groups if not failed(group)]
-    await score_groups(ok, parts.reward_funcs, parts.reward_weights)
+    state = TrainerState(global_step=step, epoch=parts.cursor.num_taken / parts.cursor.num_examples, max_steps=settings.max_steps)
+    try:
+        await score_groups(
+            ok, parts.reward_funcs, parts.reward_weights, state, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
+        )
+    except RewardTimeoutError as error:  # as in training: not scored, the run goes on
+        log.warning("%s; the evaluation at step %d is not scored", error, step)
+        mark_failed(ok)
+    ok = [group for group in ok if not failed(group)]  # scoring may have dropped some (timeout, non-finite)
     metrics: dict[str, Any] = reward_metrics(ok) if ok else {}
     metrics["failed_groups"] = float(len(groups) - len(ok))
     return {f"eval_{name}": value for name, value in metrics.items()}

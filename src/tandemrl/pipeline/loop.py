@@ -91,7 +91,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             # evaluated before the release: at S = 0 the next step's groups are then never sampled beside the eval's
             # prompts (batched together, their logprobs came out otherwise, so the run trained otherwise: resume too)
             if parts.evals is not None and parts.evals.due(step + 1, settings.max_steps) and parts.dp.is_main:
-                metrics.update(await evaluate(parts, parts.evals, step + 1, seed=settings.seed))
+                metrics.update(await evaluate(parts, parts.evals, step + 1, settings=settings))
             buffer.release(p)  # the weights trained on these groups are live: admit the next ones
             parts.logger.log(step + 1, metrics)
             parts.progress.update(step + 1, metrics)

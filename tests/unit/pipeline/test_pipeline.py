@@ -271,6 +271,28 @@ def test_evaluation_at_s0_samples_alone_so_a_run_with_it_trains_as_one_without(t
     assert not any(overlaps)
 
 
+def test_evaluation_scores_with_the_runs_reward_deadline_and_trainer_state(tmp_path, saved):
+    """Evaluation calls the reward functions as training does: within --reward_timeout_s (a reward that hangs on
+    the eval prompts waited without a deadline: a sync one held the run as long as it slept) and with the run's
+    trainer_state (it got TrainerState(): max_steps 0, so a reward shaped by global_step / max_steps raised
+    ZeroDivisionError at the first evaluation)."""
+    seen = []
+
+    def reward(prompts, completions, trainer_state, **columns):
+        seen.append((prompts[0][0], trainer_state.global_step / trainer_state.max_steps))
+        if prompts[0].startswith("e") and trainer_state.global_step == 1:
+            time.sleep(3)  # hangs at the first evaluation
+        return [float(c[0]) for c in completions]
+
+    evals = EvalSet(examples=[Example(prompt=f"e{i}", index=i) for i in range(2)], prompt_ids=[[1000 + i] for i in range(2)], eval_steps=1, num_generations=G)
+    started = time.perf_counter()
+    _, metrics, _ = run(0, steps=2, seed=3, tmp_path=tmp_path, evals=evals, reward=RewardFunc(name="shaped", fn=reward), reward_timeout_s=0.3)
+    assert time.perf_counter() - started < 2.5
+    assert metrics[0]["eval_failed_groups"] == 2 and "eval_reward" not in metrics[0]  # timed out: not scored, the run goes on
+    assert metrics[1]["eval_failed_groups"] == 0 and "eval_reward" in metrics[1]
+    assert ("e", 1.0) in seen  # the second evaluation, after step 2 of 2
+
+
 def flat_for_even_prompts() -> RewardFunc:
     """Rewards all equal (zero variance) for the groups of even prompts: dynamic sampling drops them."""
 

@@ -171,6 +171,10 @@ class Completion:
         assert self.logit_floors is None or len(self.logit_floors) == len(self.token_ids)
 
 
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+"""What reward functions receive besides the dataset's columns (rewards/base.py): no column may take one of these names."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Example:
     """A dataset row. Written by data loading only.

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from tandemrl.data.prompts import lone_surrogate
-from tandemrl.types import Example
+from tandemrl.types import REWARD_KEYWORDS, Example
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -86,6 +86,10 @@ def rows_to_examples(rows: list[dict[str, Any]], *, source: str) -> list[Example
         listed = ", ".join(names)
         raise ValueError(f"dataset {source} has no 'prompt' column (columns: {listed}); rename the prompt column to 'prompt'")
     others = [name for name in names if name != "prompt"]
+    for name in others:
+        if name in REWARD_KEYWORDS:  # the column would be replaced by tandem's keyword, silently
+            keywords = ", ".join(REWARD_KEYWORDS)
+            raise ValueError(f"dataset {source} has a column '{name}', a keyword reward functions receive ({keywords}); rename it")
     return [
         Example(prompt=check_prompt(row.get("prompt"), i, source), columns={k: row.get(k) for k in others}, index=i)
         for i, row in enumerate(rows)

@@ -24,6 +24,7 @@ from typing import Any
 from tandemrl.plugins import load_object
 from tandemrl.rewards.builtins import BUILTINS
 from tandemrl.threads import Escaped, in_daemon_thread, still_running_abandoned
+from tandemrl.types import REWARD_KEYWORDS
 
 MAX_HUNG_CALLS = 16
 """Sync calls of one reward function still running past their deadline at which the run stops: each holds a
@@ -124,6 +125,7 @@ async def score(
             f"got {len(weights)} reward weights for {len(funcs)} reward functions; pass one weight per function"
         )
     assert all(len(v) == len(completions) for v in columns.values()), "columns must align with completions"
+    assert not set(columns) & set(REWARD_KEYWORDS), "a column may not be named like a keyword (data/load.py refuses it)"
     kwargs = {
         **columns,
         "prompts": prompts,

@@ -138,3 +138,13 @@ def test_a_lone_surrogate_anywhere_in_a_row_is_one_line_naming_row_and_field(tmp
             load_examples(str(path))
     path.write_text(good + '{"prompt": "a pair is fine: \\ud83d\\ude00"}\n')
     assert load_examples(str(path))[1].prompt == "a pair is fine: \U0001f600"
+
+
+@pytest.mark.parametrize("column", ["prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"])
+def test_a_column_named_like_a_reward_keyword_is_refused_naming_it(tmp_path, column) -> None:
+    """Every other column reaches the reward functions by its name, but these names are the keywords tandem
+    passes them itself: the column was silently replaced (a reward reading `completions` or `trainer_state`
+    from the data got tandem's), so it is refused at load with one line saying to rename it."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", column: "2"}])
+    with pytest.raises(ValueError, match=rf"^dataset .* has a column '{column}', a keyword reward functions receive .*; rename it$"):
+        load_examples(path)

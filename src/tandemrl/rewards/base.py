@@ -250,7 +250,15 @@ def _check_values(name: str, result: Any, expected: int) -> list[float | None]:
             raise ValueError(
                 f"reward function '{name}' returned {value!r} at position {i}; return floats, or None where not applicable"
             )
-    return [None if value is None else float(value) for value in result]
+    return [None if value is None else _as_float(value) for value in result]
+
+
+def _as_float(value: numbers.Real) -> float:
+    """float(value); an int past the float range is the infinity of its sign (a non-finite reward, said as one)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _load_one(name: str) -> RewardFunc:

@@ -134,6 +134,16 @@ def test_a_non_finite_reward_is_an_error_naming_the_function(bad) -> None:
         _run([RewardFunc(name="f", fn=lambda completions, **kw: [1.0, bad])], None, ["x", "y"])
 
 
+def test_an_int_past_the_float_range_is_a_non_finite_reward_naming_the_function() -> None:
+    """float(10**400) raises OverflowError: it escaped as itself, not as one line naming the function."""
+    message = f"reward function 'f' returned inf at position 1; {SKIP_FIX}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _run([RewardFunc(name="f", fn=lambda completions, **kw: [1, 10**400])], None, ["x", "y"])
+    funcs = [RewardFunc(name="f", fn=lambda completions, **kw: [1, -(10**400)])]
+    totals, values = asyncio.run(score(funcs, None, ["p", "p"], ["x", "y"], {}, nonfinite="skip"))
+    assert totals[0] == 1.0 and totals[1] != totals[1] and values["f"] == [1.0, -float("inf")]
+
+
 def test_a_weighted_total_that_overflows_is_an_error_too() -> None:
     with pytest.raises(ValueError, match=re.escape(f"the weighted reward of completion 0 overflows to inf; {SKIP_FIX}")):
         _run([RewardFunc(name="f", fn=lambda completions, **kw: [1e308])], [10.0], ["x"])

@@ -142,7 +142,9 @@ class ChatFormat:
 
     def _after_mark(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         full = self._render(self._stand_in + messages, add_generation_prompt, tools)
-        if full.count(_MARK) != 1:
+        # a message may carry the marker (model-reachable text: a tool's answer, an unknown tool's name echoed);
+        # the template was checked on marker-free probes in __init__, and the stand-in's marker comes first
+        if full.count(_MARK) != 1 and _MARK not in _delta_key(messages):
             raise ValueError("the chat template does not render an assistant message's content once, as given; "
                              "multi-turn rollouts need a template that does")
         return full[full.index(_MARK) + len(_MARK) :]

@@ -340,3 +340,18 @@ def _tiny_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def test_a_tool_answer_that_contains_the_delta_marker_is_context_like_any_other(tiny_tokenizer):
+    """The stand-in marker the delta is cut after is model-reachable text (an unknown tool's name is echoed
+    in its error answer): it is the tool's answer, never a crash of the rollout."""
+    from tandemrl.rollout.chat import _MARK
+
+    call = '<tool_call>{"name": "' + _MARK + '", "arguments": {}}</tool_call>'
+    generator, mt, prompt, prompt_ids, _ = setup(tiny_tokenizer, [call, "sorry"])
+    rollout = run(generator, mt, prompt, prompt_ids, tiny_tokenizer)
+    assert rollout.status is RolloutStatus.OK and len(rollout.turns) == 2
+    assert rollout.messages[1]["content"].startswith(f"error: unknown tool '{_MARK}'")
+    first, second = rollout.turns
+    between = tiny_tokenizer.decode(rollout.trace.token_ids[first.end : second.start])
+    assert between == f"\n<|im_start|>user\n<tool_response>\n{rollout.messages[1]['content']}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

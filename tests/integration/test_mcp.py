@@ -60,3 +60,44 @@ def test_bad_config_is_a_one_line_error(tmp_path):
     (tmp_path / "servers.json").write_text(json.dumps({"mcpServers": {"calc": {"args": []}}}))
     with pytest.raises(ValueError, match="needs either \"command\""):
         asyncio.run(round_trip(ToolsConfig(mcp_config=str(tmp_path / "servers.json"))))
+
+
+def open_within(servers: dict, seconds: float) -> None:
+    from tandemrl.rollout.mcp import McpServers
+
+    async def go() -> None:
+        async with asyncio.timeout(seconds):  # the test's own deadline: a hang fails, never stalls the suite
+            mcp = McpServers(servers)
+            await mcp.open()
+            await mcp.close()
+
+    asyncio.run(go())
+
+
+def children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_a_server_that_never_answers_is_one_clear_error_within_the_open_deadline(monkeypatch):
+    from tandemrl.rollout import mcp
+
+    monkeypatch.setattr(mcp, "OPEN_TIMEOUT_S", 1.0, raising=False)
+    before = children()
+    silent = {"command": sys.executable, "args": ["-c", "import time; time.sleep(60)"], "env": environ()}
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="MCP server 'mute' did not answer within 1 s"):
+        open_within({"mute": silent}, 10)
+    assert time.monotonic() - started < 8
+    assert children() == before  # the silent server is ended, not left behind
+
+
+@pytest.mark.parametrize("entry", [
+    {"url": "http://127.0.0.1:9/mcp"},  # nothing listens there
+    {"command": sys.executable, "args": ["-c", "pass"]},  # exits before it speaks MCP
+], ids=["unreachable-url", "exits-at-once"])
+def test_a_server_that_cannot_be_opened_is_a_one_line_error_naming_it(entry):
+    with pytest.raises(OSError, match="^MCP server 'calc' ") as raised:  # cli prints an OSError as one line
+        open_within({"calc": entry}, 20)
+    assert "\n" not in str(raised.value)

@@ -9,6 +9,7 @@ calls from any task of that event loop reuse the open sessions.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 from tandemrl.rollout.tools import Tool
 from tandemrl.types import Example
+
+OPEN_TIMEOUT_S = 60.0  # a server's start, initialize and tool list at most; past it the run stops with one line
 
 
 def read_mcp_config(path: str) -> dict[str, dict[str, Any]]:
@@ -42,15 +45,28 @@ class McpServers:
         self._stack = AsyncExitStack()
 
     async def open(self) -> list[Tool]:
+        """Raises OSError naming the server that cannot be opened (TimeoutError: silent past OPEN_TIMEOUT_S)."""
         tools = []
-        try:
-            for name, entry in self.servers.items():
-                session = await self._session(entry)
-                listed = await session.list_tools()
-                tools += [_tool(session, t) for t in listed.tools]
-        except BaseException:
-            await self.close()
-            raise
+        for name, entry in self.servers.items():
+            try:
+                async with asyncio.timeout(OPEN_TIMEOUT_S):
+                    session = await self._session(entry)
+                    listed = await session.list_tools()
+            except BaseException as error:
+                failure = None
+                try:
+                    await self.close()
+                except Exception as closing:  # a transport's task group raises its failure when it closes
+                    failure = closing
+                if isinstance(error, TimeoutError):
+                    raise TimeoutError(f"MCP server {name!r} did not answer within {OPEN_TIMEOUT_S:g} s (start, initialize, "
+                                       "list tools); check that its command or url serves MCP") from None
+                if isinstance(error, Exception):
+                    failure = error
+                elif not (isinstance(error, asyncio.CancelledError) and failure):  # a transport's failure cancels this
+                    raise  # task from its task group, then is the group's error on close; any other cancel is not ours
+                raise ConnectionError(f"MCP server {name!r} could not be opened: {_cause(failure)}") from failure
+            tools += [_tool(session, t) for t in listed.tools]
         return tools
 
     async def close(self) -> None:
@@ -81,6 +97,14 @@ def _http_client(url: str, headers: dict[str, str] | None) -> Any:
 
         return streamablehttp_client(url, headers=headers)
     return streamable_http_client(url, http_client=create_mcp_http_client(headers=headers) if headers else None)
+
+
+def _cause(error: BaseException) -> str:
+    """One line: the first leaf of an exception group, as "Type: message"."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _tool(session: Any, listed: Any) -> Tool:

@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import json
 import logging
+import threading
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class Tool:
 def python_tool(fn: Callable[..., Any]) -> Tool:
     """A Python function as a tool; its schema comes from type hints and a Google-style docstring
     (transformers' `get_json_schema`, what `apply_chat_template(tools=[fn])` uses). Sync functions run
-    in a worker thread; a result that is not a string is sent as JSON.
+    in a daemon thread of their own; a result that is not a string is sent as JSON.
 
     A parameter annotated `Example` is the tool's state, not the model's to give: it is left out of the
     schema and receives the rollout's dataset row (e.g. a secret the task keeps behind the tool, or the
@@ -54,10 +55,41 @@ def python_tool(fn: Callable[..., Any]) -> Tool:
         if is_async:
             result = await fn(**arguments)
         else:
-            result = await asyncio.to_thread(fn, **arguments)
+            result = await _in_own_thread(fn, arguments)
         return result if isinstance(result, str) else json.dumps(result)
 
     return Tool(name=schema["function"]["name"], schema=schema, call=call)
+
+
+async def _in_own_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """fn(**arguments) in a daemon thread of its own, not asyncio.to_thread's pool: a call hung past its
+    timeout runs on, and hung ones would fill the pool the run's generation and weight sync wait on, and
+    keep the process from exiting (a pool's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # a timed-out call's answer is dropped
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = fn(**arguments), None
+        except StopIteration:  # a future cannot hold one (to_thread's call then waited out its timeout)
+            result, error = None, RuntimeError("function raised StopIteration")
+        except BaseException as raised:  # noqa: BLE001 - handed to the awaiting task, as to_thread does
+            result, error = None, raised
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed meanwhile: nobody waits for this answer
+            pass
+
+    threading.Thread(target=run, name=f"tool-{fn.__name__}", daemon=True).start()
+    return await future
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -106,3 +106,73 @@ def test_an_example_parameter_is_hidden_from_the_model_and_receives_the_rollouts
     assert asyncio.run(box.call(ToolCall(name="secret_of", arguments={"salt": "!"}), row)) == "s3!"
     # the model cannot hand in a row of its own
     assert asyncio.run(box.call(ToolCall(name="secret_of", arguments={"example": {"columns": {}}}), row)) == "s3"
+
+
+def test_sync_tools_hung_past_their_timeout_keep_nothing_else_waiting():
+    """A sync tool's thread runs on past its timeout; hung ones (more than any pool has workers) must not hold
+    up another tool's call nor the run's own worker threads (generation, weight sync use asyncio.to_thread)."""
+    import threading
+
+    release = threading.Event()
+
+    def stuck(x: int) -> str:
+        """Blocks until the test ends.
+
+        Args:
+            x: Anything.
+        """
+        release.wait(30)
+        return "late"
+
+    box = ToolBox([python_tool(stuck), python_tool(slow_sync)], timeout_s=0.3)
+
+    async def scenario() -> tuple[list[str], str, str]:
+        hung = await asyncio.gather(*(box.call(ToolCall(name="stuck", arguments={"x": i})) for i in range(40)))
+        quick = await box.call(ToolCall(name="slow_sync", arguments={"seconds": 0.0}))
+        async with asyncio.timeout(2):
+            own = await asyncio.to_thread(lambda: "ran")
+        return hung, quick, own
+
+    try:
+        hung, quick, own = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert set(hung) == {"error: tool 'stuck' timed out after 0.3 s"}
+    assert quick == "done" and own == "ran"
+
+
+def test_a_sync_tool_hung_past_its_timeout_does_not_keep_the_process_from_exiting():
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, time\n"
+        "from tandemrl.rollout.chat import ToolCall\n"
+        "from tandemrl.rollout.tools import ToolBox, python_tool\n"
+        "def hang(x: int) -> str:\n"
+        "    '''Hangs.\n\n    Args:\n        x: Anything.\n    '''\n"
+        "    time.sleep(120)\n"
+        "print(asyncio.run(ToolBox([python_tool(hang)], timeout_s=0.2).call(ToolCall(name='hang', arguments={'x': 1}))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "error: tool 'hang' timed out after 0.2 s"
+
+
+def test_a_sync_tool_that_raises_stop_iteration_answers_at_once_with_the_error():
+    """An exhausted next() in a tool is an exception like any other, not a silent wait for the timeout."""
+
+    def first(items: list[int]) -> int:
+        """The first item.
+
+        Args:
+            items: The items.
+        """
+        return next(iter(items))
+
+    box = ToolBox([python_tool(first)], timeout_s=2)
+    started = time.perf_counter()
+    text = answer(box, ToolCall(name="first", arguments={"items": []}))
+    assert text.startswith("error: tool 'first' raised") and "StopIteration" in text
+    assert time.perf_counter() - started < 1
+    assert answer(box, ToolCall(name="first", arguments={"items": [3]})) == "3"
+

@@ -156,6 +156,7 @@ class ToolBox:
                 return await tool.call(call.arguments, example)
         except TimeoutError:  # a sync tool's thread runs on to its end; its answer is dropped
             return f"error: tool {call.name!r} timed out after {self.timeout_s:g} s"
-        except Exception as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
+            # (SystemExit too: sys.exit in wrapped script code, argparse on bad arguments, would end the whole run)
             log.debug("tool %s raised", call.name, exc_info=True)
             return f"error: tool {call.name!r} raised {type(error).__name__}: {error}"

@@ -176,3 +176,26 @@ def test_a_sync_tool_that_raises_stop_iteration_answers_at_once_with_the_error()
     assert time.perf_counter() - started < 1
     assert answer(box, ToolCall(name="first", arguments={"items": [3]})) == "3"
 
+
+def quits(code: int) -> str:
+    """Exits as a script does (argparse on a bad argument, sys.exit in wrapped code).
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
+async def quits_async(code: int) -> str:
+    """Exits, from a coroutine.
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
+@pytest.mark.parametrize("fn", [quits, quits_async])
+def test_a_tool_that_calls_sys_exit_answers_with_the_error_and_ends_nothing(fn):
+    box = ToolBox([python_tool(fn)], timeout_s=2)
+    assert answer(box, ToolCall(name=fn.__name__, arguments={"code": 2})) == f"error: tool '{fn.__name__}' raised SystemExit: 2"

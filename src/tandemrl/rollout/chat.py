@@ -59,15 +59,16 @@ class HermesParser:
 def _parse_json_call(body: str) -> ToolCall:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError as error:
-        return ToolCall(error=f"malformed tool call, not JSON ({error.msg}); write {{\"name\": ..., \"arguments\": {{...}}}}")
+    except (ValueError, RecursionError) as error:  # besides JSONDecodeError: an int past 4300 digits, deep nesting
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error).split(";")[0].split(":")[0]
+        return ToolCall(error=f"malformed tool call, not JSON ({reason}); write {{\"name\": ..., \"arguments\": {{...}}}}")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCall(error='malformed tool call: give {"name": "<tool>", "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # still a string: answered as not an object below
             pass
     if not isinstance(arguments, dict):
         return ToolCall(name=call["name"], error="malformed tool call: arguments must be a JSON object")

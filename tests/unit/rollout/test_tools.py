@@ -199,3 +199,14 @@ async def quits_async(code: int) -> str:
 def test_a_tool_that_calls_sys_exit_answers_with_the_error_and_ends_nothing(fn):
     box = ToolBox([python_tool(fn)], timeout_s=2)
     assert answer(box, ToolCall(name=fn.__name__, arguments={"code": 2})) == f"error: tool '{fn.__name__}' raised SystemExit: 2"
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "a", "arguments": {"x": 1' + "0" * 5000 + "}}",  # past int's 4300-digit limit: a ValueError, not a JSONDecodeError
+    '{"name": "a", "arguments": "{\\"x\\": 1' + "0" * 5000 + '}"}',  # the same inside arguments written as a string
+    "[" * 100_000,  # nesting past the recursion limit: a RecursionError
+], ids=["long-int", "long-int-in-string-arguments", "deep-nesting"])
+def test_hermes_parser_answers_json_the_decoder_refuses_with_an_error(body):
+    """A degenerate turn (a run of digits or brackets) is model output like any other: an answerable error."""
+    (call,) = HermesParser().parse(f"<tool_call>{body}</tool_call>")
+    assert call.error.startswith("malformed tool call") and "\n" not in call.error

@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import json
 import logging
+import re
 import threading
 import typing
 from collections.abc import Awaitable, Callable
@@ -144,6 +145,9 @@ class ToolBox:
 
     async def call(self, call: ToolCall, example: Example | None = None) -> str:
         """The tool's answer, or the error the model should read (it starts with "error: ")."""
+        return _encodable(await self._answer(call, example))
+
+    async def _answer(self, call: ToolCall, example: Example | None) -> str:
         if call.error:
             return f"error: {call.error}"
         tool = self.tools.get(call.name)
@@ -160,3 +164,16 @@ class ToolBox:
             # (SystemExit too: sys.exit in wrapped script code, argparse on bad arguments, would end the whole run)
             log.debug("tool %s raised", call.name, exc_info=True)
             return f"error: tool {call.name!r} raised {type(error).__name__}: {error}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable(text: str) -> str:
+    """`text` with each lone surrogate (JSON lets a model write "\\ud800"; a tool may echo it) as U+FFFD: no
+    tokenizer encodes one, so the next turn's delta could not be built."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text

@@ -210,3 +210,25 @@ def test_hermes_parser_answers_json_the_decoder_refuses_with_an_error(body):
     """A degenerate turn (a run of digits or brackets) is model output like any other: an answerable error."""
     (call,) = HermesParser().parse(f"<tool_call>{body}</tool_call>")
     assert call.error.startswith("malformed tool call") and "\n" not in call.error
+
+
+def echo(text: str) -> str:
+    """Says the text back, as a search tool says its query back ("no results for ...").
+
+    Args:
+        text: Anything.
+    """
+    return f"no results for {text}"
+
+
+def test_an_answer_with_a_lone_surrogate_reaches_the_next_turn_as_valid_text(tiny_tokenizer):
+    """JSON lets the model write "\\ud800", a lone surrogate no tokenizer encodes: an echoing tool's answer
+    carries it into the next turn's delta, which must still render (U+FFFD in its place)."""
+    from tandemrl.rollout.chat import ChatFormat
+
+    (call,) = HermesParser().parse('<tool_call>{"name": "echo", "arguments": {"text": "x\\ud800y \\ud83d\\ude00"}}</tool_call>')
+    text = answer(ToolBox([python_tool(echo)], timeout_s=5), call)
+    assert text == "no results for x\ufffdy \U0001F600"
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    delta = ChatFormat(tiny_tokenizer).delta_ids([{"role": "tool", "content": text}], last_sampled_id=im_end)
+    assert tiny_tokenizer.decode(delta).startswith(f"\n<|im_start|>user\n<tool_response>\n{text}\n")

@@ -42,6 +42,8 @@ def in_daemon_thread(call: Callable[[], Any], *, name: str) -> asyncio.Future:
     def work() -> None:
         try:
             outcome: tuple[BaseException | None, Any] = (None, call())
+        except StopIteration:  # a future cannot hold one (set_exception refuses it): the waiter would wait its deadline
+            outcome = (RuntimeError("raised StopIteration"), None)
         except Exception as error:  # noqa: BLE001 - handed to the awaiting task
             outcome = (error, None)
         except BaseException as error:  # SystemExit, KeyboardInterrupt raised by the call itself (signals reach the

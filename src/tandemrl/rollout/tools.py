@@ -7,11 +7,11 @@ exception or a timeout becomes the text the model reads back (one of STYLE.md's 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
 import re
-import threading
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from typing import Any
 
 from tandemrl.plugins import load_object
 from tandemrl.rollout.chat import ToolCall
+from tandemrl.threads import Escaped, in_daemon_thread
 from tandemrl.types import Example
 
 log = logging.getLogger(__name__)
@@ -56,41 +57,10 @@ def python_tool(fn: Callable[..., Any]) -> Tool:
         if is_async:
             result = await fn(**arguments)
         else:
-            result = await _in_own_thread(fn, arguments)
+            result = await in_daemon_thread(functools.partial(fn, **arguments), name=f"tool-{fn.__name__}")
         return result if isinstance(result, str) else json.dumps(result)
 
     return Tool(name=schema["function"]["name"], schema=schema, call=call)
-
-
-async def _in_own_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """fn(**arguments) in a daemon thread of its own, not asyncio.to_thread's pool: a call hung past its
-    timeout runs on, and hung ones would fill the pool the run's generation and weight sync wait on, and
-    keep the process from exiting (a pool's threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # a timed-out call's answer is dropped
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def run() -> None:
-        try:
-            result, error = fn(**arguments), None
-        except StopIteration:  # a future cannot hold one (to_thread's call then waited out its timeout)
-            result, error = None, RuntimeError("function raised StopIteration")
-        except BaseException as raised:  # noqa: BLE001 - handed to the awaiting task, as to_thread does
-            result, error = None, raised
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop has closed meanwhile: nobody waits for this answer
-            pass
-
-    threading.Thread(target=run, name=f"tool-{fn.__name__}", daemon=True).start()
-    return await future
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -163,6 +133,7 @@ class ToolBox:
         except (Exception, SystemExit) as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
             # (SystemExit too: sys.exit in wrapped script code, argparse on bad arguments, would end the whole run)
             log.debug("tool %s raised", call.name, exc_info=True)
+            error = error.error if isinstance(error, Escaped) else error  # a sync tool's SystemExit, as itself
             return f"error: tool {call.name!r} raised {type(error).__name__}: {error}"
 
 

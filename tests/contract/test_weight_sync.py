@@ -5,6 +5,8 @@ tests/integration/)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import pytest
 import torch
@@ -56,3 +58,40 @@ def test_publish_makes_new_weights_live_at_the_new_version(name, config, move_mo
     torch.testing.assert_close(torch.tensor(after.logprobs), expected_logprobs, atol=1e-4, rtol=0)
     assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 1e-3
     assert generator.version == 7 and set(after.policy_versions) == {7} and set(before.policy_versions) == {0}
+
+
+
+
+def test_a_batched_publish_lets_no_step_run_on_half_updated_weights(monkeypatch):
+    """--move_model_batches 3 while the engine generates (--max_staleness > 0 colocated): the batches land as
+    one update (the old weights until the last, then the new), never a step on a mix of the two. Each batch was
+    an update of its own: steps ran between them, on some tensors new and the rest old, tagged the old version."""
+    from tandemrl.generation.base import EngineConfig
+
+    tokenizer = build_tokenizer()
+    served, trained = build_model(tokenizer, seed=0), build_model(tokenizer, seed=1)
+    generator = build_generator(EngineConfig(device="cpu", kv_cache_tokens=4096), model=served, tokenizer=tokenizer)
+    sync = build_weight_sync(LocalSyncConfig(move_model_batches=3), generator)
+    decoded = []  # the engine's decode count as each tensor reaches its weights
+    loaded = generator.residency.load
+
+    def watched(weights):
+        for item in weights:
+            decoded.append(generator.stats()["engine/num_decode_tokens"])
+            time.sleep(0.002)  # a tensor takes time to gather (FSDP's collective, a cast)
+            yield item
+
+    monkeypatch.setattr(generator.residency, "load", lambda weights: loaded(list(watched(weights)) if isinstance(weights, list) else watched(weights)))
+
+    async def scenario():
+        task = asyncio.create_task(generator.generate(tokenizer.encode("digits:"), SamplingParams(max_tokens=400, ignore_eos=True)))
+        while generator.stats()["engine/num_decode_tokens"] < 5:
+            await asyncio.sleep(0.001)
+        await sync.publish(trained.named_parameters(), version=1)
+        completion = await task
+        await generator.close()
+        return completion
+
+    completion = asyncio.run(scenario())
+    assert set(completion.policy_versions) == {0, 1}  # the update landed mid-generation
+    assert len(decoded) == len(list(trained.parameters())) and len(set(decoded)) == 1, f"steps ran mid-update: decode counts {decoded}"

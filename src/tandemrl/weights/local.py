@@ -1,5 +1,6 @@
 """Colocate weight sync: the generator shares the trainer's process; tensors are handed over in memory,
-in `move_model_batches` batches, and the new version goes live after the last batch.
+in `move_model_batches` batches, all in one update: the new version goes live after the last batch, and
+no step runs between two batches.
 
 Under torchrun the trainer's weights are FSDP shards: each batch is gathered whole (every rank gathers
 the same batches in the same order) just before it is handed over, so a sync's extra memory is about
@@ -12,7 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tandemrl.train.distributed import full_tensor
-from tandemrl.weights.base import LocalSyncConfig, batched
+from tandemrl.weights.base import LocalSyncConfig
+from tandemrl.weights.sharded import gathered
 
 if TYPE_CHECKING:
     import torch
@@ -36,13 +38,9 @@ class LocalSync:
             await self.generator.update_weights(((name, full_tensor(tensor.detach())) for name, tensor in weights), version=version)
             return
         named = [(name, tensor.detach()) for name, tensor in weights]
-        batches = list(batched(named, self.config.move_model_batches, len(named)))
-        # every batch but the last keeps the old version: the generator flips only at the end
-        for i, batch in enumerate(batches):
-            whole = [(name, full_tensor(tensor, self.gather_dtype)) for name, tensor in batch]
-            await self.generator.update_weights(whole, version=version if i == len(batches) - 1 else self.generator.version)
-        if not batches:
-            await self.generator.update_weights([], version=version)
+        # one update, its batches gathered as the generator reaches them: an update is applied between two engine
+        # steps, so no step runs on half-updated weights (a call a batch let steps run between the batches)
+        await self.generator.update_weights(gathered(named, self.config.move_model_batches, self.gather_dtype), version=version)
 
     async def close(self) -> None:
         pass

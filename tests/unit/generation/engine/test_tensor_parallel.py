@@ -50,7 +50,7 @@ async def _outputs(engine: Engine) -> dict[str, list]:
 
 async def _publish(engine: Engine, model_dir: str, colocate: bool) -> None:
     """The new weights by name: in one call (a server's staging), or as the colocated trainer publishes
-    them (LocalSync, in batches: each rank's batch k meets the leader's batch k)."""
+    them (LocalSync: one update, its batches gathered in the same order on every rank)."""
     if colocate:
         await LocalSync(LocalSyncConfig(move_model_batches=3), engine).publish(_updated(model_dir), version=1)
     else:

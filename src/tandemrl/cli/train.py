@@ -86,6 +86,7 @@ def _unwrap(values: list[str]) -> Any:
 def _translated(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     """resolve() over the two sources with TRL's keys and value forms made tandem's, a line logged per translation."""
     notes: list[str] = []
+    yaml_values, flags = trl.over_yaml(yaml_values, flags)
     yaml_values, flags = trl.translate_keys(yaml_values, notes), trl.translate_keys(flags, notes)
     user = {**yaml_values, **flags}
     full = resolve(yaml_values, flags)

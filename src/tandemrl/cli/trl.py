@@ -142,6 +142,25 @@ HINTS = {"lr": "learning_rate", "epochs": "num_train_epochs", "num_epochs": "num
 
 TRL_BATCH = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}  # TRL's defaults
 BUILTIN_REWARDS = {"accuracy_reward": "math_accuracy", "reasoning_accuracy_reward": "math_accuracy"}
+LINKED = (("dataset_name", "dataset_config"), ("vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port"))
+"""TRL keys read together: a flag of one group takes the yaml's others of it along (translate_keys reads them as one)."""
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
+
+
+def over_yaml(yaml_values: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two sources, before translate_keys, with flags winning over keys TRL reads together: the yaml's keys
+    of a LINKED group move to the flags when a flag sets one of it, and `--use_peft false` drops the yaml's LoRA
+    keys (TRL reads them only with use_peft). Example: ({"dataset_name": "d"}, {"dataset_config": "c"}) ->
+    ({}, {"dataset_name": "d", "dataset_config": "c"}), which translates to --dataset d:c
+    """
+    yaml_values, flags = dict(yaml_values), dict(flags)
+    for group in LINKED:
+        if any(k in flags for k in group):
+            flags = {**{k: yaml_values.pop(k) for k in group if k in yaml_values}, **flags}
+    if "use_peft" in flags and not parse_bool("use_peft", flags["use_peft"]):
+        for key in ("use_peft", *LORA_KEYS):
+            yaml_values.pop(key, None)
+    return yaml_values, flags
 
 
 def translate_keys(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -211,7 +230,7 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
         if parse_bool(key, value):
             out.setdefault("lora_r", 16)  # TRL's ModelConfig default
         else:
-            for lora_key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save"):
+            for lora_key in LORA_KEYS:
                 out.pop(lora_key, None)  # TRL reads them only with use_peft
     elif key == "resume_from_checkpoint":
         if value not in (False, "false", "False", ""):

@@ -107,6 +107,19 @@ def test_trl_names_on_the_command_line():
     assert config.generation.rollout_mode == "server" and config.generation.rollout_server_urls == ("http://127.0.0.1:8001",)
 
 
+def test_a_trl_flag_over_a_yaml_of_its_linked_keys_wins_and_keeps_the_others(tmp_path):
+    # yaml supplies defaults, flags win: a flag read with other TRL keys (dataset_name + dataset_config,
+    # vllm_mode + host/port, use_peft + lora_*) applies over the yaml's, never dropped as "nothing"
+    config_path = tmp_path / "grpo.yaml"
+    config_path.write_text("dataset_name: openai/gsm8k\ndataset_config: main\nvllm_mode: server\nuse_peft: true\n")
+    config, _ = parse(["--config", str(config_path), "--dataset_config", "socratic", "--vllm_server_port", "8001", "--use_peft", "false"])
+    assert config.data.dataset == "openai/gsm8k:socratic"
+    assert config.generation.rollout_server_urls == ("http://127.0.0.1:8001",)
+    assert config.lora.lora_r == 0
+    config, _ = parse(["--config", str(config_path), "--dataset_name", "org/other"])
+    assert config.data.dataset == "org/other:main" and config.lora.lora_r == 16  # the yaml's dataset_config, as TRL
+
+
 def test_trl_keys_tandem_cannot_honour_are_refused_and_batch_conflicts_named():
     with pytest.raises(ValueError, match="use_dora: no DoRA"):
         parse(["--use_dora", "true"])

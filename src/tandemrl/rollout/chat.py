@@ -96,6 +96,10 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # --chat_template_kwargs, at every render
         self._stand_in = _STAND_INS[0] if self._renders(_STAND_INS[0], tools) else _STAND_INS[1]
+        for add_generation_prompt in (False, True):  # the template, once: later messages may carry the marker themselves
+            if self._render(self._stand_in, add_generation_prompt, tools).count(_MARK) != 1:
+                raise ValueError("the chat template does not render an assistant message's content once, as given; "
+                                 "multi-turn rollouts need a template that does")
         probe = [{"role": "tool", "content": "x"}]
         same = self._after_mark(probe, True, tools) == self._after_mark(probe, True, None)
         self._tools = None if same else tools or None  # schemas that change nothing after the marker are left out: faster
@@ -142,12 +146,9 @@ class ChatFormat:
         return list(head)
 
     def _after_mark(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        # cut after the stand-in's marker, the first: a later message may carry it too (model-reachable text: a
+        # tool's answer, an unknown tool's name echoed); __init__ checked the template renders it once
         full = self._render(self._stand_in + messages, add_generation_prompt, tools)
-        # a message may carry the marker (model-reachable text: a tool's answer, an unknown tool's name echoed);
-        # the template was checked on marker-free probes in __init__, and the stand-in's marker comes first
-        if full.count(_MARK) != 1 and _MARK not in _delta_key(messages):
-            raise ValueError("the chat template does not render an assistant message's content once, as given; "
-                             "multi-turn rollouts need a template that does")
         return full[full.index(_MARK) + len(_MARK) :]
 
     def _renders(self, messages: list[Message], tools: list[dict] | None) -> bool:

@@ -355,3 +355,13 @@ def test_a_tool_answer_that_contains_the_delta_marker_is_context_like_any_other(
     first, second = rollout.turns
     between = tiny_tokenizer.decode(rollout.trace.token_ids[first.end : second.start])
     assert between == f"\n<|im_start|>user\n<tool_response>\n{rollout.messages[1]['content']}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_renders_an_assistant_message_twice_is_refused_at_start(tiny_tokenizer):
+    # the delta is cut after the stand-in's marker: a template that repeats content is refused once, up front
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="content once"):
+        ChatFormat(tokenizer)

@@ -8,16 +8,13 @@ training cursor and trains nothing, so a run with evaluation trains exactly as t
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from tandemrl.pipeline.parts import EvalSet, LoopParts
-from tandemrl.pipeline.producer import mark_failed, reward_metrics, score_groups
+from tandemrl.pipeline.producer import reward_metrics, score_or_drop
 from tandemrl.pipeline.settings import LoopSettings
-from tandemrl.rewards.base import RewardTimeoutError, TrainerState
+from tandemrl.rewards.base import TrainerState
 from tandemrl.rollout.group import failed, play_group
-
-log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 7_777_777  # eval samples with seeds apart from every training step's
 
@@ -37,13 +34,7 @@ async def evaluate(parts: LoopParts, evals: EvalSet, step: int, *, settings: Loo
     ))  # fmt: skip
     ok = [group for group in groups if not failed(group)]
     state = TrainerState(global_step=step, epoch=parts.cursor.num_taken / parts.cursor.num_examples, max_steps=settings.max_steps)
-    try:
-        await score_groups(
-            ok, parts.reward_funcs, parts.reward_weights, state, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
-        )
-    except RewardTimeoutError as error:  # as in training: not scored, the run goes on
-        log.warning("%s; the evaluation at step %d is not scored", error, step)
-        mark_failed(ok)
+    await score_or_drop(ok, parts, settings, state, f"the evaluation at step {step} is not scored")
     ok = [group for group in ok if not failed(group)]  # scoring may have dropped some (timeout, non-finite)
     metrics: dict[str, Any] = reward_metrics(ok) if ok else {}
     metrics["failed_groups"] = float(len(groups) - len(ok))

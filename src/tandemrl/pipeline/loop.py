@@ -30,10 +30,10 @@ from tandemrl.pipeline.buffer import RolloutBuffer
 from tandemrl.pipeline.evaluate import evaluate
 from tandemrl.pipeline.parts import LoopParts
 from tandemrl.pipeline.producer import (
-    Producer, generation_rounds, group_seed, mark_failed, reward_matrix, reward_metrics, score_groups,
+    Producer, generation_rounds, group_seed, reward_matrix, reward_metrics, score_or_drop,
 )  # fmt: skip
 from tandemrl.pipeline.settings import LoopSettings
-from tandemrl.rewards.base import RewardTimeoutError, TrainerState
+from tandemrl.rewards.base import TrainerState
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import completion_text
 from tandemrl.train.checkpoint import save_checkpoint
@@ -88,11 +88,7 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
             metrics["time/other"] = metrics["step_time"] - sum(metrics.get(k, 0.0) for k in PHASES if k != "time/other")
             tokens_seen += sum(len(r.trace.token_ids) for g in groups if not failed(g) for r in g.rollouts)
             metrics["num_tokens"] = float(tokens_seen)
-            # evaluated before the release: at S = 0 the next step's groups are then never sampled beside the eval's
-            # prompts (batched together, their logprobs came out otherwise, so the run trained otherwise: resume too)
-            if parts.evals is not None and parts.evals.due(step + 1, settings.max_steps) and parts.dp.is_main:
-                metrics.update(await evaluate(parts, parts.evals, step + 1, settings=settings))
-            buffer.release(p)  # the weights trained on these groups are live: admit the next ones
+            await _evaluate_then_release(parts, settings, buffer, step + 1, metrics)
             parts.logger.log(step + 1, metrics)
             parts.progress.update(step + 1, metrics)
             if settings.planned_peaks_gib and step + 1 in (min(start_step + 2, settings.max_steps), settings.max_steps):
@@ -104,6 +100,16 @@ async def run_loop(parts: LoopParts, settings: LoopSettings, *, start_step: int 
     finally:
         await producer.cancel()
     return metrics
+
+
+async def _evaluate_then_release(parts: LoopParts, settings: LoopSettings, buffer: RolloutBuffer, step: int, metrics: dict[str, float]) -> None:
+    """After `step`'s optimizer step: its evaluation where due (eval_* into `metrics`), then the release that admits
+    the next step's groups (the weights trained on these are live). Evaluated first, so at S = 0 those groups are
+    never sampled beside the eval's prompts: batched together, their logprobs came out otherwise, so a run with
+    evaluation trained otherwise than one without, and a resumed run otherwise than the uninterrupted one."""
+    if parts.evals is not None and parts.evals.due(step, settings.max_steps) and parts.dp.is_main:
+        metrics.update(await evaluate(parts, parts.evals, step, settings=settings))
+    buffer.release(settings.num_prompts_per_step)
 
 
 async def _before_first_generation(parts: LoopParts) -> None:
@@ -205,16 +211,9 @@ async def _generate_and_score(
     t1 = time.perf_counter()
     parts.progress.phase("reward")
     scored = [g for g in groups if not failed(g)]
-    num_timeouts = 0
     state = TrainerState(global_step=step, epoch=parts.cursor.num_taken / parts.cursor.num_examples, max_steps=settings.max_steps)
-    try:
-        num_nonfinite = await score_groups(
-            scored, parts.reward_funcs, parts.reward_weights, state, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
-        )
-    except RewardTimeoutError as error:  # its groups are not trained; the run goes on
-        log.warning("%s; the %d groups it was scoring are not trained", error, len(scored))
-        mark_failed(scored)
-        num_nonfinite, num_timeouts = 0, 1
+    num_nonfinite, timed_out = await score_or_drop(scored, parts, settings, state, f"the {len(scored)} groups it was scoring are not trained")
+    num_timeouts = int(timed_out)
     reward_s = time.perf_counter() - t1
     times = {"rollout/generate_s": t1 - t0, "rollout/reward_s": reward_s, "time/reward": reward_s}  # serial: all on the critical path
     mine = iter(groups)

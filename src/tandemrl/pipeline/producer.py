@@ -123,15 +123,10 @@ class Producer:
         self._name_phase()
         if not failed(group):
             state = TrainerState(global_step=step, epoch=epoch, max_steps=self.settings.max_steps)
-            try:
-                nonfinite = await score_groups(
-                    [group], self.parts.reward_funcs, self.parts.reward_weights, state,
-                    nonfinite=self.settings.reward_nonfinite, timeout_s=self.settings.reward_timeout_s,
-                ) > 0  # fmt: skip
-            except RewardTimeoutError as error:  # the group is not trained; the run goes on
-                log.warning("%s; the group of example %d is not trained", error, group.example.index)
-                mark_failed([group])
-                timed_out = True
+            num_nonfinite, timed_out = await score_or_drop(
+                [group], self.parts, self.settings, state, f"the group of example {group.example.index} is not trained"
+            )  # fmt: skip
+            nonfinite = num_nonfinite > 0
         reward_s = time.perf_counter() - generated
         self._scoring.discard(index)
         self.timings[index] = GroupTiming(admitted=admitted, generated=generated, reward_s=reward_s, nonfinite=nonfinite, timed_out=timed_out)
@@ -189,6 +184,21 @@ async def score_groups(
     poisoned = [g for g in groups if any(r.reward is not None and math.isnan(r.reward) for r in g.rollouts)]
     mark_failed(poisoned)
     return len(poisoned)
+
+
+async def score_or_drop(groups: list[Group], parts: LoopParts, settings: LoopSettings, state: TrainerState, what: str) -> tuple[int, bool]:
+    """score_groups with the run's --reward_nonfinite and --reward_timeout_s; past the deadline the groups are
+    marked failed (not trained, not counted; the run goes on) with a warning that ends in `what`. Returns (how
+    many groups a non-finite reward dropped, whether the deadline passed)."""
+    try:
+        num_nonfinite = await score_groups(
+            groups, parts.reward_funcs, parts.reward_weights, state, nonfinite=settings.reward_nonfinite, timeout_s=settings.reward_timeout_s
+        )  # fmt: skip
+    except RewardTimeoutError as error:
+        log.warning("%s; %s", error, what)
+        mark_failed(groups)
+        return 0, True
+    return num_nonfinite, False
 
 
 def mark_failed(groups: list[Group]) -> None:

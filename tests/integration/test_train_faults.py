@@ -71,6 +71,25 @@ def test_a_finite_reward_that_overflows_the_advantages_never_reaches_the_weights
     assert all_finite(run / "checkpoint-1") and all_finite(run / "checkpoint-2")
 
 
+# +-3e38 is finite in float32, so the rewards pass and the advantages (--scale_rewards none) do too; the gradient overflows
+OVERFLOW_GRADIENT = "def reward(prompts, completions, **kw):\n    return [3e38, -3e38] + [0.0] * (len(completions) - 2)\n"
+
+
+def test_a_resumed_run_counts_on_the_streak_of_skipped_steps(tmp_path):
+    """The streak --max_skipped_steps stops at was not in the checkpoint: a run resumed after skipped steps
+    started it again at 0, so a run skipping every step went on as long as it was resumed often enough."""
+    rewards = reward_file(tmp_path, OVERFLOW_GRADIENT)
+    run = tmp_path / "run"
+    flags = ["--reward_funcs", rewards, "--scale_rewards", "none", "--max_skipped_steps", "2", "--output_dir", str(run), *SMALL]
+    first = tandem("train", *flags, "--max_steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "(1 in a row)" in first.stderr and metrics(run)[0]["train/skipped_steps"] == 1.0
+    resumed = tandem("train", *flags, "--max_steps", "2", "--resume")
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    (line,) = error_lines(resumed)
+    assert "2 optimizer steps in a row had a non-finite loss or gradient norm" in line, line
+
+
 HUNG = """import pathlib, time
 def reward(prompts, completions, **kw):
     pathlib.Path({marker!r}).touch()

@@ -261,6 +261,7 @@ class Trainer:
             "optimizer": None if self.dp.enabled else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "policy_version": self.policy_version,
+            "num_skipped_steps": self.num_skipped_steps,  # the streak --max_skipped_steps stops at goes on after a resume
             "reference": None if self.reference is None else full_state_dict(self.reference, self.dp),
         }
 
@@ -274,6 +275,7 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = state["policy_version"]
+        self.num_skipped_steps = state.get("num_skipped_steps", 0)  # a checkpoint written before it was saved: no streak
         if self.reference is not None and state["reference"] is not None:
             load_full_state_dict(self.reference, state["reference"], self.dp)
         self.plan.invalidate()  # the masters changed under the compute weights

@@ -114,6 +114,20 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_with_the_reason
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_the_streak_of_skipped_steps_is_in_the_trainer_state_and_an_older_state_without_it_loads_as_none():
+    tokenizer = build_tokenizer()
+    trainer = Trainer(TrainerConfig(learning_rate=1e-2, max_skipped_steps=3), AlgoConfig(), build_model(tokenizer), max_steps=5)
+    poisoned = make_batch()
+    poisoned.groups[0].advantages[0] = float("inf")
+    trainer.train_step(poisoned)
+    state = trainer.state_dict()
+    resumed = Trainer(TrainerConfig(learning_rate=1e-2, max_skipped_steps=3), AlgoConfig(), build_model(tokenizer), max_steps=5)
+    resumed.load_state_dict(state)
+    assert resumed.num_skipped_steps == 1
+    resumed.load_state_dict({k: v for k, v in state.items() if k != "num_skipped_steps"})  # a checkpoint from before the field
+    assert resumed.num_skipped_steps == 0
+
+
 def test_metrics_of_several_iterations_are_their_means_as_trl_logs_them():
     steps = [
         {"loss": 1.0, "clip_ratio/high_max": 0.2, "policy_version": 1.0, "learning_rate": 1e-3},

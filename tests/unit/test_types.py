@@ -1,6 +1,7 @@
 """The sampling contract: SamplingParams holds every limit and rule, and the server's schemas state the same."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_the_wire_schemas_state_sampling_params_ranges_and_defaults():
 
 def test_any_legal_sampling_params_is_a_legal_wire_item():
     params = SamplingParams(temperature=MAX_TEMPERATURE, top_k=1, seed=MAX_SEED, stop=("x",) * SAMPLING_MAX_ITEMS["stop"])
-    item = BatchItem(prompt_ids=[1], request_id="a", **dataclasses.asdict(params))
+    item = BatchItem.model_validate(json.loads(json.dumps({"prompt_ids": [1], "request_id": "a", **dataclasses.asdict(params)})))  # as the client sends it
     assert to_sampling_params(item) == params
 
 

@@ -203,6 +203,8 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
             return JSONResponse(_error_body(message, "invalid_request_error"), status_code=400)
         param = ".".join(str(part) for part in first["loc"][1:]) or None  # ("body", "messages", 0) -> "messages.0"
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        if first.get("type") in ("int_type", "float_type", "bool_type", "string_type"):  # a value of another JSON type: say which
+            message += f", not {_json_type(first.get('input'))}"
         return JSONResponse(_error_body(message, "invalid_request_error", param=param), status_code=400)
 
     @app.exception_handler(openai.ModelNotFound)
@@ -214,6 +216,12 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
         return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
+
+
+def _json_type(value: Any) -> str:
+    """Example: "5" -> 'a string'; True -> 'a boolean'; 5.5 -> 'a non-integer number'."""
+    kinds = ((bool, "a boolean"), (str, "a string"), (int, "an integer"), (float, "a non-integer number"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null")
 
 
 def _error_body(message: str, kind: str, *, param: str | None = None) -> dict[str, Any]:

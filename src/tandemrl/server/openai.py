@@ -19,16 +19,22 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from tandemrl.server.hangup import until_done_or_disconnect
 from tandemrl.server.prompts import Prompter
 from tandemrl.server.service import Busy, RolloutService
-from tandemrl.server.wire import ChatMessage, n_field, per_sample, sampling_field, to_sampling_params
+from tandemrl.server.wire import ChatMessage, Strict, n_field, per_sample, sampling_field, to_sampling_params
 from tandemrl.types import MAX_TOP_LOGPROBS, SAMPLING_MAX_ITEMS, Completion, SamplingParams
 
 
-class _Common(BaseModel):
+class StreamOptions(Strict):
+    model_config = ConfigDict(extra="allow")  # OpenAI's other stream options: nothing to apply here
+
+    include_usage: bool = Field(False, description="Send a last chunk with the usage.")
+
+
+class _Common(Strict):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we have no use for
 
     model: str | None = None
@@ -40,7 +46,7 @@ class _Common(BaseModel):
     stop: Annotated[list[str], Field(max_length=SAMPLING_MAX_ITEMS["stop"])] | str | None = Field(None, description="One stop string (one item), or a list.")
     seed: int | None = sampling_field("seed")
     stream: bool = False
-    stream_options: dict[str, Any] | None = Field(None, description="OpenAI's: {\"include_usage\": true} sends a last chunk with the usage.")
+    stream_options: StreamOptions | None = None
     top_k: int = sampling_field("top_k", description="tandem extension: -1 = off.")
     min_p: float = sampling_field("min_p", description="tandem extension.")
     repetition_penalty: float = sampling_field("repetition_penalty", description="vLLM's extension: 1 = off.")
@@ -225,7 +231,7 @@ async def _stream(tasks: list[asyncio.Future], events: asyncio.Queue, jobs: list
     kind = "chat.completion.chunk" if chat else "text_completion"
     texts = [TextStream(prompter.decode, p.stop) for _, p in jobs]
     started = [False] * len(jobs)
-    usage = bool((body.stream_options or {}).get("include_usage"))
+    usage = body.stream_options is not None and body.stream_options.include_usage
     num_sampled = 0
 
     def chunk(i: int, text: str, **fields: Any) -> str:

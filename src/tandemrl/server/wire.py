@@ -6,6 +6,7 @@ for every Generator; anything else is a 4xx naming the field.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -14,6 +15,37 @@ from tandemrl.types import MAX_BATCH_ITEMS, MAX_SEED, MAX_TOP_LOGPROBS, SAMPLING
 
 _DEFAULTS = SamplingParams()
 MAX_N = 256  # samples of one prompt in one request (native and OpenAI routes)
+
+
+class Strict(BaseModel):
+    """A request body: each field takes only its own JSON type, as OpenAI's API does; pydantic's lax mode
+    took "5" or true for an int, "0.5" for a float, 1 or "true" for a bool. An int is a number (a float
+    field takes 1) and, as JSON Schema's integer, a number with no fraction is an int (5.0 is 5).
+
+    Example: {"max_tokens": "5"} -> "max_tokens: Input should be a valid integer"; {"max_tokens": 5.0} -> 5
+    """
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers_are_ints(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: _integral(v) if k in fields and _holds_int(fields[k].annotation) else v for k, v in data.items()}
+
+
+def _holds_int(annotation: Any) -> bool:
+    """Example: int | None -> True; list[list[int]] -> True; float -> False; bool -> False."""
+    return annotation is int or any(_holds_int(a) for a in typing.get_args(annotation))
+
+
+def _integral(value: Any) -> Any:
+    """Example: 5.0 -> 5; [1.0, 2.5] -> [1, 2.5] (2.5 then refused as no integer); "5" -> "5" (refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
 
 
 def n_field() -> Any:
@@ -33,7 +65,7 @@ def sampling_field(name: str, default: Any = ..., **schema: Any) -> Any:
     return Field(default, **limits, **schema)
 
 
-class Sampling(BaseModel):
+class Sampling(Strict):
     """The engine's sampling parameters (SamplingParams), with their legal ranges."""
 
     model_config = ConfigDict(extra="forbid")
@@ -72,7 +104,7 @@ def per_sample(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(max_length=64)
@@ -108,7 +140,7 @@ class BatchItem(Prompted):
     request_id: str = Field(min_length=1, max_length=64, description="The client's id; an item whose id already runs here supersedes it.")
 
 
-class GenerateBatchRequest(BaseModel):
+class GenerateBatchRequest(Strict):
     """Many samples started in one tick, so the engine batches them as if submitted in-process.
 
     A batch that breaks the schema is one 422 naming the item (`loc: [body, items, 3, top_p]`); an item
@@ -147,7 +179,7 @@ class GenerateResponse(BaseModel):
     results: list[Result] | None = Field(None, description="Set when is_async is false.")
 
 
-class CollectRequest(BaseModel):
+class CollectRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
     request_ids: list[str] = Field(min_length=1, max_length=4096)
@@ -159,13 +191,13 @@ class CollectResponse(BaseModel):
     pending: list[str] = Field(description="Requests still running.")
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
     request_ids: list[str] = Field(min_length=1, max_length=4096)
 
 
-class SleepRequest(BaseModel):
+class SleepRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
     level: int = Field(1, ge=1, le=2, description="1 frees the KV cache, 2 also the weights.")
@@ -186,7 +218,7 @@ class Readiness(BaseModel):
     max_lora_rank: int = Field(0, description="LoRA adapters of up to this rank are applied beside the base (--max_lora_rank): pushes may carry only them.")
 
 
-class WeightGroupRequest(BaseModel):
+class WeightGroupRequest(Strict):
     """Join the trainer's weight-sync group (sent by the trainer's client)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -203,7 +235,7 @@ class WeightGroupRequest(BaseModel):
     channel, where staged updates are announced and answered (weights/channel.py); 0: none."""
 
 
-class WeightUpdateRequest(BaseModel):
+class WeightUpdateRequest(Strict):
     """Receive one full set of weights over the group, then make `version` live."""
 
     model_config = ConfigDict(extra="forbid")

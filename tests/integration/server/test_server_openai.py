@@ -170,3 +170,46 @@ def test_a_stop_list_over_the_limit_is_refused_for_its_length(oai, tiny_model_di
         oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=2, stop=[str(i) for i in range(17)])
     assert refused.value.body["param"].startswith("stop")
     assert oai.completions.create(model=tiny_model_dir, prompt="x", max_tokens=2, stop="\n").choices[0].finish_reason in ("stop", "length")
+
+
+# (field, a value of the wrong JSON type, the type the field takes): each was coerced ("5" -> 5, true -> 1, 1 -> true)
+WRONG_TYPES = [
+    ("max_tokens", "5", "integer"), ("max_tokens", True, "integer"), ("max_tokens", 5.5, "integer"), ("n", "2", "integer"),
+    ("seed", "7", "integer"), ("top_k", "3", "integer"), ("stop_token_ids", ["1"], "integer"), ("temperature", "0.5", "number"),
+    ("top_p", True, "number"), ("min_p", "0", "number"), ("repetition_penalty", "1", "number"), ("stream", "false", "boolean"),
+    ("stream", 0, "boolean"), ("ignore_eos", 1, "boolean"), ("ignore_eos", "true", "boolean"),
+    ("stream_options", {"include_usage": "false"}, "boolean"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field_and_its_type(oai, server, tiny_model_dir, route):
+    """OpenAI's API answers 400 to `"max_tokens": "5"`; the server took it as 5 (and `true` as 1, `1` as true)."""
+    create = oai.completions.create if route == "completions" else oai.chat.completions.create
+    base = dict(model=tiny_model_dir, **({"prompt": "x"} if route == "completions" else {"messages": [{"role": "user", "content": "hi"}]}))
+    wrong = [*WRONG_TYPES, ("logprobs", True, "integer") if route == "completions" else ("logprobs", 1, "boolean")]
+    wrong += [("best_of", "1", "integer"), ("echo", 0, "boolean")] if route == "completions" else [("max_completion_tokens", "2", "integer"), ("top_logprobs", 1.5, "integer")]
+    for name, value, kind in wrong:
+        with pytest.raises(openai.BadRequestError, match=f"{name}.*{kind}") as refused:
+            create(**base, max_tokens=2, extra_body={name: value})
+        assert refused.value.body["param"].split(".")[0] == name and "\n" not in refused.value.body["message"], (name, value)
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400 - max_tokens: Input should be a valid integer, not a string$"):
+        create(**base, extra_body={"max_tokens": "5"})
+    # what JSON's types allow stays served: an int where a number is asked, an integral number where an integer is, null (unset)
+    for fine in ({"temperature": 0, "top_p": 1, "max_tokens": 2.0}, {"max_tokens": None, "n": 1.0, "seed": None}):
+        assert create(**base, extra_body={**fine, "ignore_eos": True}).choices[0].finish_reason == "length", fine
+
+
+def test_native_routes_refuse_a_value_of_the_wrong_json_type_naming_the_field(server):
+    """/generate and /generate_batch coerced as the OpenAI routes did; they refuse it with their schema errors' 422."""
+    wrong = [w for w in WRONG_TYPES if not w[0].startswith("stream")]
+    for name, value, kind in [*wrong, ("is_async", "true", "boolean"), ("prompt_ids", ["1"], "integer")]:
+        body = {"prompt": "x", "max_tokens": 2, name: value} if name != "prompt_ids" else {"prompt_ids": value}
+        answer = server.post("/generate", body)
+        assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][1] == name and kind in answer.text, (name, answer.text)
+        if name not in ("is_async", "n"):  # not fields of a batch item
+            batch = server.post("/generate_batch", {"items": [{"request_id": "a", **body}]})
+            assert batch.status_code == 422 and batch.json()["detail"][0]["loc"][3] == name and kind in batch.text, (name, batch.text)
+    assert server.post("/collect", {"request_ids": ["x"], "timeout_s": "1"}).status_code == 422
+    served = server.post("/generate", {"prompt": "x", "max_tokens": 2.0, "temperature": 0, "ignore_eos": True})
+    assert served.json()["results"][0]["finish_reason"] == "length", served.text

@@ -80,7 +80,7 @@ IGNORED_BECAUSE = {
         "restore_callback_states_from_checkpoint", "full_determinism",
     ),
     "tandem's optimizer is AdamW with its own fused kernels, compiled layers and float32 logprob head": (
-        "adam_epsilon", "optim_target_modules", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+        "optim_target_modules", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
         "liger_kernel_config", "torch_empty_cache_steps", "tf32", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
         "cast_lm_head_to_fp32", "attn_implementation", "use_cpu", "ignore_bias_buffers", "lora_task_type",
     ),
@@ -90,7 +90,7 @@ IGNORED = {key: why for why, keys in IGNORED_BECAUSE.items() for key in keys}
 # keys refused unless at TRL's default (value -> why tandem cannot honour another)
 REFUSED = {
     "optim": "tandem trains with AdamW (adamw_* values are accepted)",
-    "optim_args": "tandem's AdamW takes --adam_beta1/--adam_beta2/--weight_decay",
+    "optim_args": "tandem's AdamW takes --adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay",
     "lr_scheduler_kwargs": "tandem's schedules take no arguments",
     "label_smoothing_factor": "GRPO has no labels to smooth",
     "neftune_noise_alpha": "no NEFTune noise in tandem",

@@ -22,6 +22,8 @@ class TrainerConfig:
     """AdamW beta1."""
     adam_beta2: float = 0.99
     """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon (added to the second moment's root; TRL's and transformers' default)."""
     warmup_steps: int = 0
     """Linear warm-up steps from 0 to the peak learning rate."""
     warmup_ratio: float = 0.0
@@ -67,6 +69,8 @@ class TrainerConfig:
             raise ValueError(f"--learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not 0 <= self.max_grad_norm < math.inf:  # NaN silently meant no clipping
             raise ValueError(f"--max_grad_norm must be a finite number >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        if not 0 <= self.adam_epsilon < math.inf:
+            raise ValueError(f"--adam_epsilon must be a finite number >= 0, got {self.adam_epsilon}")
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"--router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):

@@ -295,7 +295,7 @@ def build_optimizer(
     grouped = modules_to_save_lr is not None and bool(whole)
     if grouped:
         params = [{"params": [p for name, p in named if not trained_whole(name)]}, {"params": whole, "lr": modules_to_save_lr}]
-    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay)
     if on_cpu:
         if dp.enabled:
             raise ValueError("--cpu_optimizer runs in one process; under torchrun FSDP2 already shards the optimizer state (drop the flag)")

@@ -130,6 +130,15 @@ def test_trl_keys_tandem_cannot_honour_are_refused_and_batch_conflicts_named():
     assert parse(["--optim", "adamw_torch"])[0].trainer.adam_beta2 == 0.99  # adamw_*: accepted
 
 
+def test_trls_optimizer_keys_reach_the_trainer(tmp_path):
+    """adam_epsilon was ignored with an info line; it is AdamW's eps now, as TRL's (default 1e-8, TRL's too)."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("adam_epsilon: 1.0e-6\nadam_beta1: 0.8\nadam_beta2: 0.95\nweight_decay: 0.1\nmax_grad_norm: 0.5\n")
+    trainer = parse(["--config", str(path)])[0].trainer
+    assert (trainer.adam_epsilon, trainer.adam_beta1, trainer.adam_beta2, trainer.weight_decay, trainer.max_grad_norm) == (1e-6, 0.8, 0.95, 0.1, 0.5)
+    assert parse(["--adam_epsilon", "1e-5"])[0].trainer.adam_epsilon == 1e-5 and parse([])[0].trainer.adam_epsilon == 1e-8
+
+
 @pytest.mark.parametrize(
     "typed, meant",
     [("--lr", "--learning_rate"), ("--gradient_accumulation_step", "--gradient_accumulation_steps"),

@@ -11,7 +11,7 @@ import torch
 from tandemrl.algo.presets import AlgoConfig
 from tandemrl.tasks.tiny import build_model, build_tokenizer
 from tandemrl.train.config import TrainerConfig
-from tandemrl.train.trainer import Trainer, disable_dropout, lr_factor, mean_over_iterations, mix_into
+from tandemrl.train.trainer import Trainer, build_optimizer, disable_dropout, lr_factor, mean_over_iterations, mix_into
 from tandemrl.types import Batch, Completion, Example, Group, Rollout, TokenTrace
 
 
@@ -81,6 +81,23 @@ def test_truncated_completions_are_masked_when_asked():
 def test_warmup_then_cosine_schedule():
     config = TrainerConfig(warmup_steps=2, lr_scheduler_type="cosine")
     assert [round(lr_factor(s, config, 6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
+
+
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["adamw", "cpu_optimizer"])
+def test_adamw_takes_trls_betas_epsilon_and_weight_decay(on_cpu):
+    """TRL's adam_beta1, adam_beta2, adam_epsilon (once ignored: eps stayed 1e-8) and weight_decay reach either optimizer."""
+    config = TrainerConfig(adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-5, weight_decay=0.1)
+    group = build_optimizer(config, build_model(build_tokenizer()), torch.device("cpu"), on_cpu=on_cpu).param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-5, 0.1)
+    assert build_optimizer(TrainerConfig(), build_model(build_tokenizer()), torch.device("cpu"), on_cpu=on_cpu).param_groups[0]["eps"] == 1e-8
+
+
+def test_max_grad_norm_clips_the_global_gradient_norm_to_it():
+    trainer = Trainer(TrainerConfig(max_grad_norm=0.5), AlgoConfig(), build_model(build_tokenizer()), max_steps=1)
+    for p in trainer.model.parameters():
+        p.grad = torch.ones_like(p)
+    assert trainer._clip_gradients() > 0.5  # the norm before clipping
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()])) == pytest.approx(0.5, rel=1e-4)
 
 
 def test_master_weights_default_to_float32_because_bf16_drops_small_updates():

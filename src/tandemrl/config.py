@@ -65,6 +65,9 @@ class DataConfig:
     """Hub id, local JSONL/Parquet file or saved dataset with a `prompt` column (other columns go to rewards)."""
     dataset_split: str = "train"
     """Split of a hub or saved dataset."""
+    shuffle_dataset: bool = True
+    """TRL's name: draw the prompts in an order reshuffled every epoch (from --seed); false = the dataset's order,
+    every epoch. A resumed run goes on in its checkpoint's order."""
     max_prompt_length: int = 512
     """Longest prompt in tokens; a longer one is an error naming the example."""
     num_prompts_per_step: int = 16

@@ -331,6 +331,25 @@ def killed_and_resumed(tmp_path: Path, tiny_model_dir: str, *flags: str) -> None
         assert sorted(prompts) == sorted(f"prompt {i}" for i in range(num_prompts))
 
 
+def test_shuffle_dataset_false_trains_the_prompts_in_dataset_order_and_resumes_exactly(tmp_path, tiny_model_dir):
+    """TRL's shuffle_dataset false: step k trains prompts 2k-2 and 2k-1 (8 prompts, 2 a step, epoch after epoch),
+    and a run resumed from checkpoint-2 trains what the uninterrupted one does."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"prompt {i}"} for i in range(8)])
+    common = [
+        "--model", tiny_model_dir, "--dataset", data, "--reward_funcs", "length", "--shuffle_dataset", "false", "--save_steps", "2",
+        "--save_total_limit", "0", "--log_completions_steps", "1", "--num_prompts_per_step", "2", "--num_generations", "4",
+        "--max_completion_length", "6",
+    ]  # fmt: skip
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert tandem("train", "--output_dir", str(full), *common, "--max_steps", "6").returncode == 0
+    assert tandem("train", "--output_dir", str(split), *common, "--max_steps", "2").returncode == 0
+    resumed = tandem("train", "--output_dir", str(split), "--resume", "--max_steps", "6")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = trained_prompts(split)
+    assert got == trained_prompts(full)
+    assert got == {k: [f"prompt {(2 * k - 2) % 8}", f"prompt {(2 * k - 1) % 8}"] for k in range(1, 7)}
+
+
 def test_lora_learns_the_default_task_and_resumes_from_its_adapter(tmp_path):
     """`tandem train --lora_r 16` on the embedded default, as a user runs it: its LoRA recipe (adapters on
     every linear layer but the head at 1e-3, the final norm trained whole at 1.0) learns the task in 30

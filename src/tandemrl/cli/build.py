@@ -75,7 +75,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     # under torchrun each rank's engine is built from the whole policy, before FSDP shards it
     early = _rollout_side(config, plan, model, tokenizer, device=str(device), tp=_engine_ranks(dp)) if dp.enabled and not dp.rank_zero_generates else None
     trainer = _trainer(config, plan, model, dp)
-    cursor = PromptCursor(len(examples), seed=config.run.seed)
+    cursor = PromptCursor(len(examples), seed=config.run.seed, shuffle=config.data.shuffle_dataset)
     if state is not None:
         _resume(trainer, cursor, state, checkpoint)
     start_step = state["step"] if state is not None else 0

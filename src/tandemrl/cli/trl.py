@@ -56,10 +56,10 @@ IGNORED_BECAUSE = {
         "fsdp", "fsdp_config", "accelerator_config", "parallelism_config", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
         "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "local_rank", "average_tokens_across_devices",
     ),
-    "tandem's data path has no dataloader (prompts are tokenized once and shuffled per epoch)": (
+    "tandem's data path has no dataloader (prompts are tokenized once and drawn in --shuffle_dataset's order)": (
         "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
         "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns",
-        "label_names", "train_sampling_strategy", "length_column_name", "shuffle_dataset", "pad_to_multiple_of",
+        "label_names", "train_sampling_strategy", "length_column_name", "pad_to_multiple_of",
         "data_seed", "dataset_streaming", "streaming", "test_split_size", "ignore_data_skip",
     ),
     "tandem logs every step to metrics.jsonl and TensorBoard, and prints its own console": (

@@ -139,6 +139,14 @@ def test_trls_optimizer_keys_reach_the_trainer(tmp_path):
     assert parse(["--adam_epsilon", "1e-5"])[0].trainer.adam_epsilon == 1e-5 and parse([])[0].trainer.adam_epsilon == 1e-8
 
 
+def test_shuffle_dataset_is_honoured(tmp_path):
+    """TRL's shuffle_dataset (default true) was ignored with an info line: false is the dataset's order now."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("shuffle_dataset: false\n")
+    assert parse(["--config", str(path)])[0].data.shuffle_dataset is False
+    assert parse(["--shuffle_dataset", "false"])[0].data.shuffle_dataset is False and parse([])[0].data.shuffle_dataset is True
+
+
 @pytest.mark.parametrize(
     "typed, meant",
     [("--lr", "--learning_rate"), ("--gradient_accumulation_step", "--gradient_accumulation_steps"),

@@ -30,10 +30,25 @@ def test_state_round_trip_resumes_exactly() -> None:
     cursor = PromptCursor(9, seed=5)
     cursor.take(13)
     state = cursor.state_dict()
-    assert state == {"epoch": 1, "position": 4, "seed": 5, "num_examples": 9}
+    assert state == {"epoch": 1, "position": 4, "seed": 5, "shuffle": True, "num_examples": 9}
     resumed = PromptCursor(9, seed=0)
     resumed.load_state_dict(state)
     assert resumed.take(20) == cursor.take(20)
+
+
+def test_unshuffled_epochs_are_the_datasets_order_and_resume_exactly() -> None:
+    """TRL's shuffle_dataset false: every epoch in the dataset's order; the order is the checkpoint's on resume
+    (a cursor built shuffled goes on unshuffled, and a checkpoint from before the key was kept goes on shuffled)."""
+    cursor = PromptCursor(4, seed=3, shuffle=False)
+    assert cursor.take(6) == [0, 1, 2, 3, 0, 1]
+    state = cursor.state_dict()
+    resumed = PromptCursor(4, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.take(5) == cursor.take(5) == [2, 3, 0, 1, 2]
+    old = {k: v for k, v in PromptCursor(4, seed=3).state_dict().items() if k != "shuffle"}
+    unshuffled = PromptCursor(4, shuffle=False)
+    unshuffled.load_state_dict(old)
+    assert unshuffled.take(8) == PromptCursor(4, seed=3).take(8)
 
 
 def test_seek_replays_from_a_count_of_taken_indices() -> None:

@@ -68,14 +68,32 @@ def did_you_mean(word: str, candidates: typing.Iterable[str], *, hints: dict[str
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+TRUE_FORMS, FALSE_FORMS = ("true", "yes", "y", "t", "1", "on"), ("false", "no", "n", "f", "0", "off")
+BOOL_FORMS = "true/false, yes/no, y/n, t/f, 1/0 or on/off, in any case"
+"""A bool's forms: HfArgumentParser's string_to_bool (so TRL's), and yaml 1.1's on/off."""
+
+
 def parse_bool(text: str) -> bool:
-    """A bool flag's value, as TRL and yaml write it. Example: parse_bool("True") -> True"""
-    lowered = str(text).strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
+    """A bool flag's value (argparse's type). Example: parse_bool("True") -> True; parse_bool("n") -> False"""
+    try:
+        return to_bool("", text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false (write {BOOL_FORMS})") from None
+
+
+def to_bool(key: str, value: Any) -> bool:
+    """The value of the setting `key` as a bool: every place a bool is read (flags, yaml, TRL's keys) reads it here.
+
+    Example: to_bool("use_dora", "no") -> False; to_bool("bf16", "maybe") -> ValueError naming bf16 and the forms
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in TRUE_FORMS:
         return True
-    if lowered in ("false", "0", "no", "off"):
+    if text in FALSE_FORMS:
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise ValueError(f"setting {key}: {value!r} is not true or false (write {BOOL_FORMS})")
 
 
 class BoolFlag(argparse.Action):
@@ -204,14 +222,10 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
 def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
     if value is None or kind not in (None, int, float, str):  # None, or a kind YAML already gives whole (a dict)
         return value
-    wanted = {None: "true or false", int: "an integer", float: "a number", str: "text"}[kind]
     if kind is None:
-        try:
-            ok, result = True, parse_bool(value) if isinstance(value, str) else value
-        except argparse.ArgumentTypeError:
-            ok, result = False, value
-        ok = ok and isinstance(result, bool)
-    elif kind is str:
+        return to_bool(name, value)
+    wanted = {int: "an integer", float: "a number", str: "text"}[kind]
+    if kind is str:
         ok, result = isinstance(value, (str, int, float)) and not isinstance(value, bool), str(value)
     else:
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.cli import trl
-from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, dump_yaml, load_yaml
+from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, dump_yaml, load_yaml, to_bool
 from tandemrl.config import LEAVES, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
     """defaults < task recipe < run dir's saved config (when resuming) < yaml < flags."""
     values = {**yaml_values, **flags}
     saved: dict[str, Any] = {}
-    if values.get("resume") and values.get("output_dir"):
+    if _given_true(values, "resume") and values.get("output_dir"):
         saved_path = Path(values["output_dir"]) / "config.yaml"
         saved = load_yaml(str(saved_path)) if saved_path.exists() else {}
     chosen = {**saved, **values}
@@ -140,13 +140,21 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
     return {**recipe, **chosen, "task": task}
 
 
+def _given_true(values: dict[str, Any], key: str) -> bool:
+    """Whether the bool `key` is given true (`resume: 'no'` in yaml is not); a bad value is reported where the flags are read."""
+    try:
+        return key in values and to_bool(key, values[key])
+    except ValueError:
+        return False
+
+
 def _wants_lora(values: dict[str, Any]) -> bool:
     """Whether the flags ask for LoRA: --lora_r > 0, or TRL's --use_peft (r 16 unless given).
 
     Example: {"lora_r": 16} -> True; {"use_peft": "true"} -> True; {"use_peft": "false", "lora_r": 8} -> False
     """
     try:
-        if "use_peft" in values and not trl.parse_bool("use_peft", values["use_peft"]):
+        if "use_peft" in values and not to_bool("use_peft", values["use_peft"]):
             return False  # TRL reads the lora_* keys only with use_peft
         return "use_peft" in values and "lora_r" not in values or int(values.get("lora_r") or 0) > 0
     except (TypeError, ValueError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tandemrl.cli.args import to_bool
 from tandemrl.types import every_steps
 
 # TRL key -> what tandem makes of it (the key's value is given to the rule in translate_keys)
@@ -131,6 +132,12 @@ TRL_DEFAULTS = {
     "label_smoothing_factor": 0.0, "bnb_4bit_quant_type": "nf4", "datasets": [],
 }  # defaults that are not None/False (the REFUSED keys' others are)
 
+REFUSED_BOOLS = frozenset({
+    "fp16", "auto_find_batch_size", "activation_checkpointing", "use_adaptive_entropy", "use_rslora", "use_dora", "load_in_8bit",
+    "load_in_4bit", "use_bnb_nested_quant",
+})  # fmt: skip
+"""The REFUSED keys that are TRL bools (false by default): read in every bool form, refused only when true."""
+
 TRL_KEYS = frozenset(TRANSLATED) | frozenset(IGNORED) | frozenset(REFUSED)
 """TRL's keys that are not tandem flags: accepted in yaml and on the command line."""
 
@@ -157,7 +164,7 @@ def over_yaml(yaml_values: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[
     for group in LINKED:
         if any(k in flags for k in group):
             flags = {**{k: yaml_values.pop(k) for k in group if k in yaml_values}, **flags}
-    if "use_peft" in flags and not parse_bool("use_peft", flags["use_peft"]):
+    if "use_peft" in flags and not to_bool("use_peft", flags["use_peft"]):
         for key in ("use_peft", *LORA_KEYS):
             yaml_values.pop(key, None)
     return yaml_values, flags
@@ -208,7 +215,7 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
         if name:
             out["dataset"] = f"{name}:{config}" if config else name
     elif key == "vllm_enable_sleep_mode":
-        if parse_bool(key, value):
+        if to_bool(key, value):
             out["sleep_level"] = 2  # TRL sleeps vLLM at level 2 (KV cache and weights)
     elif key == "vllm_mode":
         out["rollout_mode"] = "server" if value == "server" else "colocate"
@@ -221,22 +228,22 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
     elif key in ("vllm_server_host", "vllm_server_port"):
         pass  # read by vllm_mode server
     elif key == "vllm_importance_sampling_correction":
-        if not parse_bool(key, value):
+        if not to_bool(key, value):
             out["tis_cap"] = 0.0
     elif key == "model_revision":
         if value != "main":
             out["model_init_kwargs"] = {**(out.get("model_init_kwargs") or {}), "revision": value}
     elif key == "use_peft":
-        if parse_bool(key, value):
+        if to_bool(key, value):
             out.setdefault("lora_r", 16)  # TRL's ModelConfig default
         else:
             for lora_key in LORA_KEYS:
                 out.pop(lora_key, None)  # TRL reads them only with use_peft
     elif key == "resume_from_checkpoint":
-        if value not in (False, "false", "False", ""):
+        if _path_or_bool(key, value):
             out["resume"] = True  # a path or true: the newest complete checkpoint of output_dir
     elif key == "log_completions":
-        if not parse_bool(key, value):
+        if not to_bool(key, value):
             out["log_completions_steps"] = 0
     else:
         raise AssertionError(f"TRANSLATED key {key} has no rule")
@@ -305,6 +312,8 @@ def _batch(out: dict[str, Any], notes: list[str], defaults: dict[str, Any]) -> N
 
 def _at_default(key: str, value: Any) -> bool:
     default = TRL_DEFAULTS.get(key)
+    if key in REFUSED_BOOLS:
+        return value is None or not to_bool(key, value)  # `load_in_4bit: no` is TRL's default
     if key == "optim":
         return str(value).startswith("adamw")
     if default is None:
@@ -312,16 +321,12 @@ def _at_default(key: str, value: Any) -> bool:
     return value == default or str(value) == str(default)
 
 
-def parse_bool(key: str, value: Any) -> bool:
-    """TRL's bool forms. Example: parse_bool("bf16", "True") -> True"""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"setting {key}: {value!r} is not true or false")
+def _path_or_bool(key: str, value: Any) -> bool:
+    """A key that takes a path or a bool (resume_from_checkpoint): a path is true. Example: "no" -> False"""
+    try:
+        return to_bool(key, value)
+    except ValueError:
+        return value != ""
 
 
 def _number(key: str, value: Any) -> float:
@@ -334,7 +339,7 @@ def _number(key: str, value: Any) -> float:
 def _scale_rewards(value: Any, notes: list[str]) -> Any:
     """TRL's bool form: true = group, false = none."""
     if isinstance(value, bool) or str(value).lower() in ("true", "false"):
-        return "group" if parse_bool("scale_rewards", value) else "none"
+        return "group" if to_bool("scale_rewards", value) else "none"
     return value
 
 

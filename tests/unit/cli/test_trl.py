@@ -28,6 +28,7 @@ def test_fixture_is_trl_1_16s_and_every_key_has_exactly_one_place():
     assert trl.TRL_KEYS <= set(FIXTURE["keys"]), trl.TRL_KEYS - set(FIXTURE["keys"])  # no invented names
     for key in trl.REFUSED:  # TRL's own default is never refused
         assert trl._at_default(key, FIXTURE["keys"][key]["default"]), key
+    assert {k for k in trl.REFUSED if isinstance(FIXTURE["keys"][k]["default"], bool)} <= trl.REFUSED_BOOLS <= set(trl.REFUSED)
 
 
 def test_a_yaml_of_every_trl_key_at_its_default_is_accepted(tmp_path, caplog):
@@ -81,7 +82,7 @@ def test_trl_value_forms_on_the_command_line():
     assert config.log.logging_steps == 0.1 and config.checkpoint.save_steps == 0.5  # the epochs' steps are known once the data is
     config, _ = parse(["--bf16", "true", "--scale_rewards", "false", "--report_to", "none", "--disable_dropout", "False"])
     assert config.trainer.bf16 is True and config.algo.scale_rewards == "none" and config.trainer.disable_dropout is False
-    with pytest.raises(ValueError, match="bf16.*expected true or false, got 'maybe'"):
+    with pytest.raises(ValueError, match="--bf16.*'maybe' is not true or false \\(write true/false, yes/no, y/n, t/f, 1/0 or on/off"):
         parse(["--bf16", "maybe"])
     with pytest.raises(ValueError, match="report_to all: name the sinks"):
         parse(["--report_to", "all"])
@@ -145,6 +146,26 @@ def test_shuffle_dataset_is_honoured(tmp_path):
     path.write_text("shuffle_dataset: false\n")
     assert parse(["--config", str(path)])[0].data.shuffle_dataset is False
     assert parse(["--shuffle_dataset", "false"])[0].data.shuffle_dataset is False and parse([])[0].data.shuffle_dataset is True
+
+
+def test_every_bool_reads_hfargumentparsers_forms_in_any_case(tmp_path):
+    """HfArgumentParser's string_to_bool forms (yes/no, true/false, y/n, t/f, 1/0, any case) wherever a bool is read:
+    a tandem switch, TRL's translated bools, TRL's refused ones at their default (`--load_in_4bit no` and a quoted
+    `use_dora: 'no'` were refused as set); anything else is one line naming the key and the forms."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("use_dora: 'no'\nload_in_8bit: 'F'\ntrust_remote_code: 'Y'\nresume_from_checkpoint: 'no'\nuse_peft: 'T'\n")
+    config, _ = parse(["--config", str(path), "--load_in_4bit", "no", "--bf16", "N", "--log_completions", "n", "--disable_dropout", "f"])
+    assert config.run.trust_remote_code is True and config.checkpoint.resume is False and config.lora.lora_r == 16
+    assert config.trainer.bf16 is False and config.log.log_completions_steps == 0 and config.trainer.disable_dropout is False
+    assert parse(["--vllm_importance_sampling_correction", "NO"])[0].algo.tis_cap == 0.0
+    with pytest.raises(ValueError, match="load_in_4bit: no quantized training"):
+        parse(["--load_in_4bit", "Yes"])
+    for key, value in (("load_in_4bit", "maybe"), ("use_peft", "2")):
+        with pytest.raises(ValueError, match=f"setting {key}: '{value}' is not true or false \\(write true/false, yes/no"):
+            parse([f"--{key}", value])
+    path.write_text("trust_remote_code: nope\n")
+    with pytest.raises(ValueError, match="setting trust_remote_code: 'nope' is not true or false \\(write true/false"):
+        parse(["--config", str(path)])
 
 
 @pytest.mark.parametrize(

@@ -247,9 +247,11 @@ def load_yaml(path: str) -> dict[str, Any]:
 
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_unique_key_loader()) or {}
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing --config path") from None
+    except DuplicateKey as error:
+        raise ValueError(f"config file {path!r}: {error}; keep one of them") from None
     except yaml.YAMLError as error:  # malformed, or a tag safe_load refuses (!!python/object and the like)
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -261,6 +263,33 @@ def load_yaml(path: str) -> dict[str, Any]:
     # null for its unset keys; a None that reached a number crashed (`max_steps: null`, rollout's `port: null`),
     # and `learning_rate: null` skipped the task recipe's rate for the dataclass default
     return {key: value for key, value in data.items() if value is not None}
+
+
+class DuplicateKey(Exception):
+    """A yaml mapping naming a key twice (PyYAML keeps the last silently)."""
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """yaml's SafeLoader, refusing a mapping that names a key twice (a merge key's `<<` keys may be overridden)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        raise DuplicateKey(f"key {key} is set twice (lines {lines[key]} and {line})")
+                    lines[key] = line
+                except TypeError:  # an unhashable key: the constructor below says so
+                    continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def check_known(

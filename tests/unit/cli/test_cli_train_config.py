@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from tandemrl.cli.args import field_docs
+from tandemrl.cli.args import field_docs, load_yaml
 from tandemrl.cli.train import parse
 from tandemrl.config import LEAVES
 
@@ -84,6 +84,20 @@ def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(message)):
             parse(["--config", str(bad)])
+
+
+def test_a_key_set_twice_in_yaml_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of a key set twice, silently (so does TRL); a config naming one twice is refused."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 1e-6\nbeta: 0.04\n# a comment\nlearning_rate: 3e-6\n")
+    with pytest.raises(ValueError, match=re.escape(f"config file {str(bad)!r}: key learning_rate is set twice (lines 1 and 4); keep one of them")):
+        parse(["--config", str(bad)])
+    bad.write_text("generation_kwargs: {top_p: 0.9, top_p: 0.8}\n")
+    with pytest.raises(ValueError, match=re.escape("key top_p is set twice (lines 1 and 1)")):
+        parse(["--config", str(bad)])
+    good = tmp_path / "good.yaml"  # a merge key's keys may be overridden (yaml's rule, not a repeat)
+    good.write_text("a: &b {top_p: 0.9, top_k: 5}\nb: {<<: *b, top_p: 0.8}\n")
+    assert load_yaml(str(good))["b"] == {"top_p": 0.8, "top_k": 5}
 
 
 TRL_YAML = """

@@ -267,7 +267,8 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
             f"max_steps {float(out['max_steps']):g} and num_train_epochs {float(out['num_train_epochs']):g} are both set: the epochs decide the steps here "
             "(TRL: a positive max_steps overrides the epochs); drop num_train_epochs to run max_steps"
         )
-    forms = {"scale_rewards": _scale_rewards, "top_k": _top_k, "report_to": _report_to, "dtype": _dtype, "reward_funcs": _reward_funcs}
+    forms = {"scale_rewards": _scale_rewards, "top_k": _top_k, "report_to": _report_to, "dtype": _dtype, "reward_funcs": _reward_funcs,
+             "reward_weights": _reward_weights}  # fmt: skip
     for key, form in forms.items():
         if key in out and out[key] is not None:
             out[key] = form(out[key], notes)
@@ -367,9 +368,26 @@ def _dtype(value: Any, notes: list[str]) -> Any:
     return value
 
 
+def _comma_list(value: Any) -> list[str]:
+    """A list flag's values with commas splitting them too (no reward reference or weight holds one).
+
+    Example: "a,b" -> ["a", "b"]; ["a", "b, c"] -> ["a", "b", "c"]
+    """
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+
+
+def _reward_weights(value: Any, notes: list[str]) -> list[Any]:
+    """`reward_weights: 1,0.5` is two weights, as `reward_funcs: a,b` is two functions (yaml's numbers kept as they are)."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [w for item in items for w in (_comma_list(item) if isinstance(item, str) else [item])]
+
+
 def _reward_funcs(value: Any, notes: list[str]) -> Any:
-    """TRL's script names: accuracy_reward (tandem's math_accuracy), dotted paths my_lib.rewards.fn (module:function)."""
-    names = [value] if isinstance(value, str) else list(value)
+    """TRL's script names: accuracy_reward (tandem's math_accuracy), dotted paths my_lib.rewards.fn (module:function);
+    `a,b` is two functions, as the list [a, b] (TRL would read one name, "a,b")."""
+    given = list(value) if isinstance(value, (list, tuple)) else [value]
+    names = _comma_list(value)
     out = []
     for name in names:
         name = str(name)
@@ -380,8 +398,8 @@ def _reward_funcs(value: Any, notes: list[str]) -> Any:
             out.append(f"{module}:{fn}")
         else:
             out.append(name)
-    if out != names:
-        notes.append(f"TRL reward_funcs {' '.join(names)} -> --reward_funcs {' '.join(out)}")
+    if out != given:
+        notes.append(f"TRL reward_funcs {' '.join(map(str, given))} -> --reward_funcs {' '.join(out)}")
     return out
 
 

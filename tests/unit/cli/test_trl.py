@@ -168,6 +168,21 @@ def test_every_bool_reads_hfargumentparsers_forms_in_any_case(tmp_path):
         parse(["--config", str(path)])
 
 
+def test_comma_separated_reward_funcs_are_several_functions_as_a_list_is(tmp_path, caplog):
+    """`reward_funcs: a,b` (or --reward_funcs a,b) was read as one function named "a,b"; it is two, as [a, b]
+    (no reference holds a comma), and reward_weights alike."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("reward_funcs: accuracy_reward, format\nreward_weights: 1,0.5\n")
+    with caplog.at_level(logging.INFO, logger="tandemrl.cli.train"):
+        reward = parse(["--config", str(path)])[0].reward
+    assert reward.reward_funcs == ("math_accuracy", "format") and reward.reward_weights == (1.0, 0.5)
+    assert any("reward_funcs accuracy_reward, format -> --reward_funcs math_accuracy format" in r.message for r in caplog.records)
+    assert parse(["--reward_funcs", "format,length", "my_lib.rewards.fn"])[0].reward.reward_funcs == ("format", "length", "my_lib.rewards:fn")
+    path.write_text("reward_funcs: [format, length]\nreward_weights: [1, 0.5]\n")
+    assert parse(["--config", str(path)])[0].reward.reward_funcs == ("format", "length")
+    assert parse(["--reward_weights", "2"])[0].reward.reward_weights == (2.0,)
+
+
 @pytest.mark.parametrize(
     "typed, meant",
     [("--lr", "--learning_rate"), ("--gradient_accumulation_step", "--gradient_accumulation_steps"),

@@ -156,14 +156,20 @@ LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lor
 
 def over_yaml(yaml_values: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The two sources, before translate_keys, with flags winning over keys TRL reads together: the yaml's keys
-    of a LINKED group move to the flags when a flag sets one of it, and `--use_peft false` drops the yaml's LoRA
-    keys (TRL reads them only with use_peft). Example: ({"dataset_name": "d"}, {"dataset_config": "c"}) ->
+    of a LINKED group move to the flags when a flag sets one of it, `--use_peft false` drops the yaml's LoRA
+    keys (TRL reads them only with use_peft), and a step's batch set by flags (--num_prompts_per_step, or TRL's
+    batch keys) drops the yaml's other form of it. Example: ({"dataset_name": "d"}, {"dataset_config": "c"}) ->
     ({}, {"dataset_name": "d", "dataset_config": "c"}), which translates to --dataset d:c
     """
     yaml_values, flags = dict(yaml_values), dict(flags)
     for group in LINKED:
         if any(k in flags for k in group):
             flags = {**{k: yaml_values.pop(k) for k in group if k in yaml_values}, **flags}
+    if "num_prompts_per_step" in flags:
+        for key in TRL_BATCH:
+            yaml_values.pop(key, None)
+    elif any(k in flags for k in TRL_BATCH):
+        yaml_values.pop("num_prompts_per_step", None)
     if "use_peft" in flags and not to_bool("use_peft", flags["use_peft"]):
         for key in ("use_peft", *LORA_KEYS):
             yaml_values.pop(key, None)

@@ -121,6 +121,20 @@ def test_a_trl_flag_over_a_yaml_of_its_linked_keys_wins_and_keeps_the_others(tmp
     assert config.data.dataset == "org/other:main" and config.lora.lora_r == 16  # the yaml's dataset_config, as TRL
 
 
+def test_a_flag_setting_the_steps_batch_wins_over_the_yamls_other_form_of_it(tmp_path):
+    """yaml supplies defaults, flags win: --num_prompts_per_step over a yaml's per_device_train_batch_size (an error
+    before), TRL's batch flags over a yaml's num_prompts_per_step; both forms in one source stay an error."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("per_device_train_batch_size: 8\ngradient_accumulation_steps: 2\nnum_generations: 4\n")
+    assert parse(["--config", str(path), "--num_prompts_per_step", "3"])[0].data.num_prompts_per_step == 3
+    assert parse(["--config", str(path), "--gradient_accumulation_steps", "4"])[0].data.num_prompts_per_step == 8  # 8 x 4 / 4
+    path.write_text("num_prompts_per_step: 3\nnum_generations: 4\n")
+    assert parse(["--config", str(path), "--per_device_train_batch_size", "8"])[0].data.num_prompts_per_step == 2  # 8 x 1 / 4
+    path.write_text("num_prompts_per_step: 3\nper_device_train_batch_size: 8\n")
+    with pytest.raises(ValueError, match="per_device_train_batch_size and num_prompts_per_step set the same thing"):
+        parse(["--config", str(path)])
+
+
 def test_trl_keys_tandem_cannot_honour_are_refused_and_batch_conflicts_named():
     with pytest.raises(ValueError, match="use_dora: no DoRA"):
         parse(["--use_dora", "true"])

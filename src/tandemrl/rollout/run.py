@@ -80,8 +80,9 @@ async def _play_turns(
         answers = await mt.env.step(example, messages)
         if not answers:
             break
-        delta = mt.chat.delta_ids(answers, last_sampled_id=last_sampled_id)
-        if number == mt.max_turns - 1 or len(trace.token_ids) + len(delta) >= mt.max_total_tokens:
+        most = mt.max_total_tokens - len(trace.token_ids) - 1  # the answer's room: the next turn needs a token
+        delta = None if number == mt.max_turns - 1 else await mt.chat.delta_within(answers, last_sampled_id=last_sampled_id, most=most)
+        if delta is None:  # not played: the last turn's answer, or one past max_total_tokens (not tokenized whole)
             finish = "length"
             break
         trace.append_context(delta)

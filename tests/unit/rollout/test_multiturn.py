@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from typing import Any
 
 import pytest
 
@@ -365,3 +367,75 @@ def test_a_template_that_renders_an_assistant_message_twice_is_refused_at_start(
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="content once"):
         ChatFormat(tokenizer)
+
+
+WORDS = "the quick brown fox jumps over 12345 lazy dogs; "
+
+
+def test_a_multi_megabyte_tool_answer_ends_its_rollout_truncated_while_another_keeps_playing(tiny_tokenizer):
+    """A 5 MB tool answer was tokenized whole on the event loop (~9 s here) before --max_total_tokens
+    refused it, and every other rollout stalled meanwhile. Now it ends its rollout truncated (finish
+    "length", the answer not played) and a rollout beside it plays its six turns within 3 s."""
+
+    def dump() -> str:
+        """Dumps a big file."""
+        return (WORDS * (5_000_000 // len(WORDS) + 1))[:5_000_000]
+
+    class Paced(ScriptedGenerator):  # a decode step's pace, so the rollouts interleave
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            await asyncio.sleep(0.02)
+            return await super().generate(prompt_ids, params)
+
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tools = [python_tool(dump), python_tool(add)]
+    mt = MultiTurn(env=ToolEnv(ToolBox(tools, timeout_s=30), HermesParser()), chat=ChatFormat(tiny_tokenizer, [t.schema for t in tools]),
+                   max_turns=8, max_total_tokens=1024)  # fmt: skip
+    dumps = Paced([encode(tiny_tokenizer, '<tool_call>{"name": "dump", "arguments": {}}</tool_call>') + [im_end]])
+    adds = Paced([encode(tiny_tokenizer, CALL.format(a=i, b=1)) + [im_end] for i in range(5)] + [encode(tiny_tokenizer, "done") + [im_end]])
+    prompt_ids = encode(tiny_tokenizer, "p")
+
+    async def both() -> tuple:
+        start, ticks, done = time.monotonic(), [], {}
+
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        async def timed(name: str, generator: Paced) -> Any:
+            rollout = await play(Example(prompt="p"), prompt_ids, generator=generator, params=SamplingParams(max_tokens=256), tokenizer=tiny_tokenizer, multi_turn=mt)
+            done[name] = time.monotonic() - start
+            return rollout
+
+        tick = asyncio.ensure_future(ticker())
+        rollouts = await asyncio.gather(timed("dump", dumps), timed("add", adds))
+        tick.cancel()
+        return rollouts, done, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    (big, beside), done, stall = asyncio.run(both())
+    assert big.status is RolloutStatus.TRUNCATED and big.finish_reason == "length" and len(big.turns) == 1
+    assert [m["role"] for m in big.messages] == ["assistant"] and big.trace.loss_mask[-1]  # the answer is not in the trace
+    assert beside.status is RolloutStatus.OK and len(beside.turns) == 6 and beside.messages[-1]["content"] == "done"
+    assert done["add"] < 3 and stall < 1, (done, stall)
+
+
+def test_a_long_answers_delta_is_told_too_long_from_a_prefix_and_exact_at_the_limit(tiny_tokenizer):
+    """Past LONG_ANSWER_CHARS the delta is measured from prefixes cut at word ends: over `most` tokens is None
+    (the text never tokenized whole), at `most` the delta itself; a text with no word end is tokenized whole."""
+    from tandemrl.rollout.chat import LONG_ANSWER_CHARS
+
+    chat = ChatFormat(tiny_tokenizer)
+    encoded = []
+    encode_text = chat._encode
+    chat._encode = lambda text: encoded.append(len(text)) or encode_text(text)
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for content in (WORDS * (2 * LONG_ANSWER_CHARS // len(WORDS)), "x" * (2 * LONG_ANSWER_CHARS)):
+        answer = [{"role": "tool", "content": content}]
+        ids = chat.delta_ids(answer, last_sampled_id=im_end)
+        for most in (0, 100, len(ids) // 3, len(ids) - 1):
+            encoded.clear()
+            assert asyncio.run(chat.delta_within(answer, last_sampled_id=im_end, most=most)) is None, most
+            if content.startswith(WORDS) and most < len(ids) // 8:
+                assert max(encoded) < len(content) / 8, (most, encoded)  # a prefix told it
+        assert asyncio.run(chat.delta_within(answer, last_sampled_id=im_end, most=len(ids))) == ids
+        assert asyncio.run(chat.delta_within(answer, last_sampled_id=5, most=len(ids) + 1)) == chat.delta_ids(answer, last_sampled_id=5)

@@ -259,6 +259,29 @@ class LogConfig:
 
 SECRETS = ("api_key",)  # flags never written to the run directory, a metrics sink or --print_config
 
+RESUME_MAY_CHANGE = frozenset({
+    # how long it runs, where it logs and saves, and the resume itself
+    "max_steps", "num_train_epochs", "max_skipped_steps", "output_dir", "save_steps", "save_total_limit", "resume",
+    "resume_allow_changed_flags", "lora_save_merged", "report_to", "logging_steps", "log_completions_steps", "run_name",
+    "logprob_mismatch_warning", "heartbeat_s", "eval_dataset", "eval_dataset_split", "eval_steps", "num_generations_eval",
+    # where the rollouts and the judge run, and their deadlines
+    "generator", "rollout_mode", "rollout_server_urls", "rollout_server_timeout", "rollout_server_silence_s", "generator_device",
+    "reward_model_url", "reward_timeout_s", "tool_timeout_s", "trust_remote_code",
+    # speed and memory: the same computation, placed, batched or scheduled otherwise
+    "device", "sleep_level", "gpu_memory_utilization", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
+    "prefill_wait_steps", "overlap_prefills", "enforce_eager", "decode_graphs", "tensor_parallel_size", "warm_up_turns",
+    "max_tokens_per_microbatch", "logprob_chunk_size", "torch_compile", "triton_logprobs", "gradient_checkpointing", "lora_engine",
+    "offload_optimizer", "offload_model", "cpu_optimizer", "cpu_optimizer_compute", "gc_collect_after_offload",
+    "move_model_batches", "weight_sync_port", "weight_sync_bucket_mb", "weight_sync_timeout_s", "weight_sync_backend",
+    "weight_sync_host", "weight_sync_ipc_reuse",
+})  # fmt: skip
+"""Flags a --resume may change unasked: none changes what a step computes. Every other flag (a new one too)
+is checked against the checkpoint's (cli/build.py), as it changes the model, data, seed, schedule, loss,
+batch shape, lengths, sampling or precision."""
+
+RESUME_NOT_COMPARED = ("output_dir", "resume", "resume_allow_changed_flags")  # how the run is resumed, not what it ran
+
+
 LEAVES = (
     RunConfig, DataConfig, GenerationConfig, EngineSettings, RewardConfig, AlgoConfig, TrainerConfig, CheckpointConfig, LogConfig,
     LocalSyncConfig, DistributedSyncConfig, ToolsConfig, JudgeConfig, OffloadConfig, LoraConfig,
@@ -342,6 +365,19 @@ class TrainConfig:
         loop = _loop(self)
         sampling = _sampling(self)
         return Plan(sampling=sampling, engine=engine, generator=_generator(self, engine, sampling), judge=_judge(self), loop=loop, notes=_notes(loop))
+
+
+def changed_flags(saved: dict[str, Any], config: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{flag: (its value in `saved`, in `config`)} of the flags a resume changes; a flag `saved` lacks (added
+    to tandem since) had its default. Example: saved lr 1e-3, config lr 2e-3 -> {"learning_rate": (0.001, 0.002)}"""
+    defaults, now = TrainConfig().to_dict(), config.to_dict()
+    old = {k: saved.get(k, defaults[k]) for k in now if k not in RESUME_NOT_COMPARED}
+    return {k: (v, now[k]) for k, v in old.items() if _comparable(v) != _comparable(now[k])}
+
+
+def _comparable(value: Any) -> Any:
+    """A tuple and the list it reads back as from YAML are one value."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _sampling(config: TrainConfig) -> SamplingParams:

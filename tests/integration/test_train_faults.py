@@ -292,6 +292,49 @@ def test_resume_passes_over_a_truncated_trainer_state_to_the_older_checkpoint(tm
     assert [m["step"] for m in metrics(run)] == [1, 2, 3] and all_finite(run / "checkpoint-3")  # step 2 trained again
 
 
+def test_resume_with_flags_that_change_the_computation_is_refused_naming_each(tmp_path, two_checkpoints):
+    """--resume took any flag given, so a run continued with another learning rate or batch shape than its
+    checkpoint's without a word; such flags are refused in one line, old -> new, unless asked for."""
+    run = shutil.copytree(two_checkpoints, tmp_path / "run")
+    changed = ["--learning_rate", "0.002", "--num_generations", "4", "--reward_funcs", "format"]
+    refused = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", *SMALL, *changed)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = error_lines(refused)
+    assert line.startswith("tandem train: error: --resume: --num_generations 2 -> 4, --reward_funcs [] -> [format], --learning_rate 0.001 -> 0.002 "
+                           "since checkpoint-2 change what the run computes;"), line  # fmt: skip
+    assert "add --resume_allow_changed_flags" in line and [m["step"] for m in metrics(run)] == [1, 2]
+    allowed = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", *SMALL, *changed, "--resume_allow_changed_flags")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    (warning,) = [line for line in allowed.stderr.splitlines() if "WARNING tandemrl.cli.build" in line]
+    assert warning.endswith("--resume_allow_changed_flags: checkpoint-2 continues with --num_generations 2 -> 4, "
+                            "--reward_funcs [] -> [format], --learning_rate 0.001 -> 0.002"), warning  # fmt: skip
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3]
+    assert "resume_allow_changed_flags: false" in (run / "config.yaml").read_text()  # asked for once, not for the next resume
+
+
+def test_resume_may_change_the_length_logging_and_saving_with_an_info_line(tmp_path, two_checkpoints):
+    run = shutil.copytree(two_checkpoints, tmp_path / "run")
+    result = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARNING" not in result.stderr and [m["step"] for m in metrics(run)] == [1, 2, 3]
+    assert "--resume: --max_steps 2 -> 3, --save_steps 1 -> 3, --logging_steps 10 -> 1 since checkpoint-2" in result.stderr
+
+
+def test_resume_of_a_checkpoint_that_records_no_flags_warns_they_went_unchecked(tmp_path, two_checkpoints):
+    """A checkpoint written before checkpoints kept the run's flags resumes, with a warning."""
+    import torch
+
+    run = shutil.copytree(two_checkpoints, tmp_path / "run")
+    path = run / "checkpoint-2" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save({k: v for k, v in state.items() if k != "flags"}, path)
+    result = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", "--learning_rate", "0.002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert line.endswith("--resume: checkpoint-2 records no flags (written before tandem kept them there), so this run's flags could not be checked against it")
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3]
+
+
 def _no_larger_files(limit: int):
     def apply() -> None:  # in the child: a write past `limit` bytes fails with EFBIG, as on a full disk
         import resource

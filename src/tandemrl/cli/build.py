@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import datetime
 import itertools
+import json
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
 from tandemrl.cli.plan import gpu_bytes, memory_setup, model_config, plan_run, planned_peaks_gib, with_plan
 from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
-from tandemrl.config import TrainConfig
+from tandemrl.config import RESUME_MAY_CHANGE, TrainConfig, changed_flags
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
@@ -58,6 +59,8 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     device = dp.device(device)
     run_dir = Path(dp.broadcast(str(_run_dir(config)) if dp.is_main else None))
     checkpoint, state = _resume_point(config, run_dir)
+    if state is not None:
+        _check_flags(config, state, checkpoint)
     memory = _memory_plan(config, device, dp.world_size)  # before anything loads; None on a CPU
     if memory is not None:  # its levers and sizes applied, and the run resolved again with them
         config = with_plan(config, memory)
@@ -89,7 +92,7 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
         examples=examples, prompt_ids=[], cursor=cursor, generator=generator, sync=sync, trainer=trainer,
         tokenizer=tokenizer, reward_funcs=reward_funcs, reward_weights=_reward_weights(config, task, judge), params=plan.sampling,
         logger=_logger(config, run_dir, start_step) if dp.is_main else Silent(), progress=_progress(config, plan, start_step, device) if dp.is_main else Silent(),
-        evals=evals, run_dir=run_dir, dp=dp,
+        evals=evals, run_dir=run_dir, dp=dp, flags=saved_flags(config),
     )  # fmt: skip
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
@@ -125,6 +128,46 @@ def _resume(trainer: Trainer, cursor: PromptCursor, state: dict[str, Any], check
     trainer.load_state_dict(state["trainer"], optimizer_shards=sharded_optimizer(checkpoint))
     cursor.load_state_dict(state["cursor"])
     log.info("resuming from %s (step %d, policy version %d)", checkpoint, state["step"], trainer.policy_version)
+
+
+def _check_flags(config: TrainConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """--resume continues what the checkpoint computed: flags changed since that change it are refused in one
+    line unless --resume_allow_changed_flags (then a warning names them); the others (config.py's
+    RESUME_MAY_CHANGE: length, logging, saving, placement, memory) are named in an info line."""
+    saved = state.get("flags")
+    if saved is None:
+        log.warning("--resume: %s records no flags (written before tandem kept them there), so this run's flags could not be checked against it", checkpoint.name)
+        return
+    changed = changed_flags(saved, config)
+    free = {k: v for k, v in changed.items() if k in RESUME_MAY_CHANGE}
+    checked = {k: v for k, v in changed.items() if k not in RESUME_MAY_CHANGE}
+    if checked and not config.checkpoint.resume_allow_changed_flags:
+        raise ValueError(
+            f"--resume: {_changes(checked)} since {checkpoint.name} change what the run computes; to continue it as it was, "
+            "leave them out (or give the old values); to continue with them, add --resume_allow_changed_flags; or start a new run in another --output_dir"
+        )
+    if free:
+        t = config.trainer  # a schedule that decays to the last step (or warms up over a share of the steps) is stretched
+        stretched = ("max_steps" in free or "num_train_epochs" in free) and (t.lr_scheduler_type != "constant" or (t.warmup_ratio and not t.warmup_steps))
+        log.info("--resume: %s since %s%s", _changes(free), checkpoint.name, "; the learning-rate schedule spans the new length from here on" if stretched else "")
+    if checked:
+        log.warning("--resume_allow_changed_flags: %s continues with %s", checkpoint.name, _changes(checked))
+
+
+def _changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    """Example: {"learning_rate": (0.001, 0.002), "bf16": (True, False)} -> --learning_rate 0.001 -> 0.002, --bf16 true -> false"""
+    return ", ".join(f"--{flag} {_shown(old)} -> {_shown(new)}" for flag, (old, new) in changes.items())
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as typed on the command line (a list in brackets, so the commas between flags stay clear)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None or value == "":
+        return "null" if value is None else '""'
+    if isinstance(value, (list, tuple)):
+        return f"[{' '.join(map(str, value))}]"
+    return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def _memory_plan(config: TrainConfig, device: torch.device, num_ranks: int) -> Any:
@@ -488,7 +531,13 @@ def _tokens_seen(run_dir: Path, start_step: int) -> int:
     return int(last_value(run_dir, "num_tokens", step=start_step) or 0)
 
 
+def saved_flags(config: TrainConfig) -> dict[str, Any]:
+    """The run's flags as run_dir/config.yaml and each checkpoint keep them: the next run that reads them is
+    not resumed, nor allowed changed flags, unless it says so itself."""
+    return {**config.to_dict(), "resume": False, "resume_allow_changed_flags": False}
+
+
 def _save_config(config: TrainConfig, run_dir: Path) -> None:
     tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(dump_yaml({**config.to_dict(), "resume": False}))
+    tmp.write_text(dump_yaml(saved_flags(config)))
     os.replace(tmp, run_dir / "config.yaml")

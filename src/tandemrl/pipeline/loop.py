@@ -412,7 +412,7 @@ def _should_save(settings: LoopSettings, step: int) -> bool:
 def _save(parts: LoopParts, settings: LoopSettings, step: int, *, num_taken: int) -> None:
     """The cursor is saved at the groups trained; those admitted beyond are regenerated on resume."""
     with parts.trainer.offload.resident():
-        state = {"trainer": parts.trainer.state_dict(), "cursor": parts.cursor.state_dict(num_taken=num_taken)}
+        state = {"trainer": parts.trainer.state_dict(), "cursor": parts.cursor.state_dict(num_taken=num_taken), "flags": parts.flags}
         save_checkpoint(
             parts.run_dir, step, model=parts.trainer.model, tokenizer=parts.tokenizer, state=state, limit=settings.save_total_limit,
             save_merged=settings.save_merged, dp=parts.dp, optimizer=parts.trainer.optimizer if parts.dp.enabled else None,

@@ -54,3 +54,4 @@ class LoopParts:
     multi_turn: MultiTurn | None = None  # tools: rollouts play turns until the model stops calling them
     evals: EvalSet | None = None
     dp: DataParallel = SINGLE  # under torchrun: which groups this rank generates and trains
+    flags: dict[str, Any] | None = None  # the run's flags (its config.yaml), kept in each checkpoint for --resume to check

@@ -1,5 +1,6 @@
 """Checkpoints: an HF-format model + tokenizer (safetensors, loadable by transformers as is) beside the
-trainer state (optimizer, scheduler, every RNG, data position, policy version). With LoRA the model is
+trainer state (optimizer, scheduler, every RNG, data position, policy version, the run's flags: --resume
+checks a new run's against them). With LoRA the model is
 the adapter (peft's format; the base is --model), and on request the merged model in merged/.
 
 Invariant: a directory named checkpoint-<step> is complete and its weights are finite. It is written

@@ -96,7 +96,11 @@ class CheckpointConfig:
     save_total_limit: int = 2
     """Keep at most this many checkpoints (oldest deleted first; 0 = keep all)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in --output_dir."""
+    """Continue from the newest complete checkpoint in --output_dir, with its flags; a flag given that changes what
+    the run computes (model, data, seed, learning rate, loss, batch shape, lengths, sampling, precision) is refused."""
+    resume_allow_changed_flags: bool = False
+    """--resume with flags that change what the run computes, each named in a warning line (the rest, e.g.
+    --max_steps, logging, saving, placement and memory levers, may change without it)."""
 
     def __post_init__(self) -> None:
         self.save_steps = steps_or_ratio("save_steps", self.save_steps, zero="only at the end")

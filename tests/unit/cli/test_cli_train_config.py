@@ -243,3 +243,38 @@ def test_lora_on_the_embedded_default_takes_its_lora_recipe():
         assert lora.lora_modules_to_save == () and lora.lora_modules_to_save_learning_rate is None, argv
     with pytest.raises(ValueError, match="--lora_modules_to_save_learning_rate must be a finite number > 0"):
         parse(["--lora_r", "16", "--lora_modules_to_save_learning_rate", "inf"])
+
+
+def test_resume_compares_every_flag_but_the_allowed_ones_against_the_checkpoints(tmp_path):
+    """changed_flags over the flags a checkpoint recorded: a list read back from YAML equals the tuple, a flag
+    the record lacks (added to tandem since) had its default, and the allow-list names only real flags."""
+    from tandemrl.cli.build import saved_flags
+    from tandemrl.config import RESUME_MAY_CHANGE, TrainConfig, changed_flags
+
+    config, _ = parse(["--reward_funcs", "format", "length"])
+    saved = saved_flags(config)
+    assert changed_flags({**saved, "reward_funcs": ["format", "length"]}, config) == {}
+    later, _ = parse(["--reward_funcs", "format", "length", "--learning_rate", "0.5", "--max_steps", "7", "--resume", "--output_dir", str(tmp_path)])
+    assert changed_flags(saved, later) == {"max_steps": (150, 7), "learning_rate": (1e-3, 0.5)}
+    older = {k: v for k, v in saved.items() if k != "tis_cap"}
+    assert changed_flags(older, dataclasses.replace(config, algo=dataclasses.replace(config.algo, tis_cap=9.0))) == {"tis_cap": (2.0, 9.0)}
+    assert RESUME_MAY_CHANGE <= TrainConfig().to_dict().keys()
+    assert {"model", "seed", "learning_rate", "num_generations", "temperature", "dtype", "lora_r", "loss_type"}.isdisjoint(RESUME_MAY_CHANGE)
+
+
+def test_a_refused_resume_says_only_its_error_and_a_longer_decaying_schedule_is_said_to_stretch(caplog):
+    import logging
+    from pathlib import Path
+
+    from tandemrl.cli.build import _check_flags, saved_flags
+
+    config, _ = parse(["--lr_scheduler_type", "linear", "--max_steps", "4"])
+    state = {"flags": saved_flags(config)}
+    longer, _ = parse(["--lr_scheduler_type", "linear", "--max_steps", "8", "--seed", "3"])
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match=r"^--resume: --seed 0 -> 3 since checkpoint-4 change what the run computes;"):
+        _check_flags(longer, state, Path("checkpoint-4"))
+    assert not caplog.records  # the error is the one line
+    longer, _ = parse(["--lr_scheduler_type", "linear", "--max_steps", "8"])
+    with caplog.at_level(logging.INFO):
+        _check_flags(longer, state, Path("checkpoint-4"))
+    assert caplog.messages == ["--resume: --max_steps 4 -> 8 since checkpoint-4; the learning-rate schedule spans the new length from here on"]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -195,7 +196,7 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         if not request.url.path.startswith("/v1/"):
-            return await request_validation_exception_handler(request, error)  # 422 with FastAPI's detail
+            return JSONResponse({"detail": _short_inputs(error.errors())}, status_code=422)  # FastAPI's 422 detail
         first = error.errors()[0]
         if first.get("type") == "json_invalid":  # its loc is ("body", <character position>): no parameter to name
             where = first["loc"][1] if len(first["loc"]) > 1 else "?"
@@ -216,6 +217,21 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
         return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
+
+
+def _short_inputs(errors: Any, most: int = 200) -> list[dict[str, Any]]:
+    """FastAPI's 422 detail, each error's `input` kept only when its JSON is short and finite: an id of a
+    megabyte (or a whole body, a model-level error's input) was sent back whole, and a NaN (Python's JSON
+    reads one) made the detail unwritable, a 400 naming no field."""
+    detail = jsonable_encoder(errors)
+    for entry in detail:
+        try:
+            keep = len(json.dumps(entry.get("input"), allow_nan=False)) <= most
+        except ValueError:
+            keep = False
+        if not keep:
+            entry.pop("input", None)
+    return detail
 
 
 def _json_type(value: Any) -> str:

@@ -5,9 +5,10 @@ for every Generator; anything else is a 4xx naming the field.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +47,9 @@ def _integral(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return [_integral(v) for v in value] if isinstance(value, list) else value
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=64)]  # uuid4().hex here; a client's own in a batch
 
 
 def n_field() -> Any:
@@ -137,7 +141,7 @@ class GenerateRequest(Prompted):
 class BatchItem(Prompted):
     """One sample of a batch, under the client's id (what /abort takes)."""
 
-    request_id: str = Field(min_length=1, max_length=64, description="The client's id; an item whose id already runs here supersedes it.")
+    request_id: RequestId = Field(description="The client's id; an item whose id already runs here supersedes it.")
 
 
 class GenerateBatchRequest(Strict):
@@ -150,6 +154,14 @@ class GenerateBatchRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
     items: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
+
+    @model_validator(mode="after")
+    def _ids_differ(self) -> GenerateBatchRequest:
+        """Two items of one id: the second aborted the first, whose line was never sent."""
+        twice = [(i, n) for i, n in collections.Counter(item.request_id for item in self.items).items() if n > 1]
+        if twice:
+            raise ValueError(f"request_id {twice[0][0]!r} is given to {twice[0][1]} items; each item of a batch needs an id of its own")
+        return self
 
 
 class Result(BaseModel):
@@ -182,7 +194,7 @@ class GenerateResponse(BaseModel):
 class CollectRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
-    request_ids: list[str] = Field(min_length=1, max_length=4096)
+    request_ids: list[RequestId] = Field(min_length=1, max_length=4096)
     timeout_s: float = Field(30.0, ge=0, le=600, description="Long-poll: wait up to this long for all of them.")
 
 
@@ -194,7 +206,7 @@ class CollectResponse(BaseModel):
 class AbortRequest(Strict):
     model_config = ConfigDict(extra="forbid")
 
-    request_ids: list[str] = Field(min_length=1, max_length=4096)
+    request_ids: list[RequestId] = Field(min_length=1, max_length=4096)
 
 
 class SleepRequest(Strict):

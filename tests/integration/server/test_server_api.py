@@ -3,6 +3,7 @@ abort by id, bad input as 4xx that disturbs nobody, readiness, metrics, sleep/wa
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -99,8 +100,6 @@ def test_seeded_n_samples_differ_and_repeat(server, backend):
 
 
 def _batch_lines(server, items: list[dict]) -> list[dict]:
-    import json
-
     answer = server.post("/generate_batch", {"items": items})
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("application/x-ndjson"), answer.text
     return [json.loads(line) for line in answer.content.split(b"\n") if line]
@@ -133,3 +132,21 @@ def test_batch_item_is_abortable_by_id_and_a_hang_up_aborts_the_batch(server):
             break
         time.sleep(0.1)
     assert server.post("/abort", {"request_ids": ["hung"]}).status_code == 404  # forgotten once aborted
+
+
+def test_odd_input_is_refused_naming_what_is_wrong(server):
+    """Each was answered but not refused as it should be: a batch giving one id twice dropped one of the two
+    items from its answer (one line for two items; the first was aborted by the second); an id of a megabyte
+    came back whole, in the 404's message; a NaN (Python's JSON reads it) made the 422 unwritable, so a 400
+    'Out of range float values are not JSON compliant' named no field."""
+    twice = server.post("/generate_batch", {"items": [{"request_id": "a", "prompt": "x", **GREEDY}, {"request_id": "a", "prompt": "y", **GREEDY}]})
+    assert twice.status_code == 422 and "request_id 'a' is given to 2 items" in twice.text, twice.text
+    for route in ("/collect", "/abort"):
+        long = server.post(route, {"request_ids": ["x" * 1_000_000]})
+        assert long.status_code == 422 and len(long.content) < 1000 and "at most 64 characters" in long.text, (route, long.text[:300])
+    for field in ("temperature", "top_p", "min_p"):
+        raw = httpx.post(server.url + "/generate", content=f'{{"prompt": "x", "{field}": NaN}}', headers={"content-type": "application/json"}, timeout=30)
+        assert raw.status_code == 422 and raw.json()["detail"][0]["loc"] == ["body", field], raw.text
+    for body in ('{"prompt": "x", "prompt_ids": [1], "chat_template_kwargs": {"t": NaN}}', json.dumps({"prompt": "x" * 100_000, "prompt_ids": [1]})):
+        raw = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert raw.status_code == 422 and "exactly one" in raw.text and len(raw.content) < 1000, raw.text[:300]  # a whole-body error: the body is its input

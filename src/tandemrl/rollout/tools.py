@@ -124,17 +124,37 @@ class ToolBox:
         if tool is None:
             return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}"
         try:
-            # not wait_for: on 3.11 it runs the call in a task of its own (~10 us a call on the event loop);
-            # 3.12's wait_for is this block
-            async with asyncio.timeout(self.timeout_s):
-                return await tool.call(call.arguments, example)
+            return await _within(tool.call(call.arguments, example), self.timeout_s)
         except TimeoutError:  # a sync tool's thread runs on to its end; its answer is dropped
             return f"error: tool {call.name!r} timed out after {self.timeout_s:g} s"
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
-            # (SystemExit too: sys.exit in wrapped script code, argparse on bad arguments, would end the whole run)
+        except Exception as error:  # noqa: BLE001 - a tool's failure is the model's to read, never a crash
             log.debug("tool %s raised", call.name, exc_info=True)
-            error = error.error if isinstance(error, Escaped) else error  # a sync tool's SystemExit, as itself
+            # SystemExit (sys.exit in wrapped script code, argparse on bad arguments) comes Escaped: it would end the run
+            error = error.error if isinstance(error, Escaped) else error
             return f"error: tool {call.name!r} raised {type(error).__name__}: {error}"
+
+
+async def _within(call: Awaitable[str], timeout_s: float) -> str:
+    """`call`'s answer, or TimeoutError at `timeout_s`. The call runs as a task of its own (~10 us), cancelled
+    and left behind at the deadline: awaited in place under asyncio.timeout, a tool that swallowed the cancel
+    (a retry loop's broad except, a shielded clean-up) held its rollout as long as it liked."""
+    task = asyncio.ensure_future(_exit_as_error(call))
+    try:
+        await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        if not task.done():  # past the deadline, or the rollout itself cancelled
+            task.cancel()
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # its late outcome: never logged
+    if not task.done():
+        raise TimeoutError
+    return task.result()
+
+
+async def _exit_as_error(call: Awaitable[str]) -> str:
+    try:
+        return await call
+    except SystemExit as error:  # raised out of a task, it would end the event loop
+        raise Escaped(error) from None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -58,6 +58,32 @@ def test_a_tool_past_its_timeout_answers_with_a_timeout_error(fn):
     assert answer(box, ToolCall(name=fn.__name__, arguments={"seconds": 0.0})) == "done"
 
 
+async def stubborn(seconds: float) -> str:
+    """Sleeps, and once more when cancelled (as a retry loop with a broad except, or a shielded clean-up, does).
+
+    Args:
+        seconds: How long.
+    """
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await asyncio.sleep(seconds)
+    return "done"
+
+
+def test_an_async_tool_that_ignores_its_cancel_answers_at_its_timeout():
+    """The call was awaited in place under asyncio.timeout: a tool that swallowed the cancel held its rollout
+    for as long as it liked (here 3 s past a 0.2 s timeout), and its late answer was taken as a success."""
+    box = ToolBox([python_tool(stubborn)], timeout_s=0.2)
+
+    async def timed() -> tuple[str, float]:
+        started = time.perf_counter()
+        return await box.call(ToolCall(name="stubborn", arguments={"seconds": 3.0})), time.perf_counter() - started
+
+    text, seconds = asyncio.run(timed())
+    assert text == "error: tool 'stubborn' timed out after 0.2 s" and seconds < 1.5, (text, seconds)
+
+
 def test_a_tool_that_raises_answers_with_the_error():
     text = answer(ToolBox([python_tool(calculator)], timeout_s=5), ToolCall(name="calculator", arguments={"expression": "__import__('os')"}))
     assert text.startswith("error: tool 'calculator' raised ValueError")

@@ -5,7 +5,8 @@ Invariant: the ids returned are exactly what the Generator receives; nothing re-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tandemrl.types import Message
@@ -53,3 +54,36 @@ def check_prompt_length(ids: list[int], max_prompt_length: int, index: int) -> N
             f"prompt of example {index} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
             "raise --max_prompt_length or shorten the prompt"
         )
+
+
+_WORD_END = re.compile(r"[^\W_](?=\s)")  # a letter or digit before whitespace: where encode_at_most may cut
+
+
+def cuts_at_word_ends(tokenizer: Any) -> bool:
+    """Whether encode_at_most may measure `tokenizer`'s text from prefixes: not when an added token holds
+    whitespace (it could span a cut)."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return not any(re.search(r"\s", token) for token in added)
+
+
+def encode_at_most(encode: Callable[[str], list[int]], text: str, most: int, *, cuttable: bool = True) -> list[int] | None:
+    """encode(text), or None when it has more than `most` tokens, told from growing prefixes of the text where
+    it is long, so a text of megabytes is never tokenized whole to learn it is too long (5 MB: ~8 s).
+
+    Each prefix ends at a word's end before whitespace: a tokenizer that splits words at whitespace before its
+    model runs (byte-level BPE, Metaspace, WordPiece) tokenizes the words before the cut as it does in the
+    whole text, so a prefix over `most` tokens is exact proof the whole is. Specials an encode adds (a BOS) are
+    in the prefix's count and the whole's alike. `cuttable` False (cuts_at_word_ends): tokenized whole.
+
+    Example: encode_at_most(encode, "word " * 10**6, 100) -> None, after encoding ~500 characters
+    """
+    end = 4 * (most + 1)  # characters: a token has at least one (specials aside)
+    while cuttable and end < len(text):
+        cut = _WORD_END.search(text, end)
+        if cut is None:
+            break
+        if len(encode(text[: cut.end()])) > most:
+            return None
+        end = 2 * cut.end()
+    ids = encode(text)
+    return ids if len(ids) <= most else None

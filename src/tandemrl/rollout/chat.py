@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tandemrl.data.prompts import cuts_at_word_ends, encode_at_most
 from tandemrl.plugins import load_object
 from tandemrl.threads import in_daemon_thread
 from tandemrl.types import Message
@@ -29,7 +30,6 @@ DELTA_CACHE_SIZE = 4096  # distinct environment answers whose token delta is kep
 LONG_ANSWER_CHARS = 1 << 16  # answers past this many characters are measured in a thread, from a prefix
 # json.dumps(messages, default=repr) without building an encoder every call (~2 us of ~5.5, per answer)
 _delta_key = json.JSONEncoder(default=repr).encode
-_WORD_END = re.compile(r"[^\W_](?=\s)")  # a letter or digit before whitespace: where a prefix may be cut
 _STAND_INS = ([{"role": "system", "content": "s"}, *_TURNS], _TURNS)  # the second for templates without a system role
 
 
@@ -116,8 +116,7 @@ class ChatFormat:
         # answer's delta is computed once (a delta is a function of the messages alone)
         self._deltas: dict[tuple[str, bool], tuple[int, ...]] = {}
         self._heads: dict[bool, tuple[int, ...]] = {}  # answer_head_ids by whether the turn sampled its end
-        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-        self._cuttable = not any(re.search(r"\s", token) for token in added)  # _long_delta's prefixes: see there
+        self._cuttable = cuts_at_word_ends(tokenizer)  # whether _long_delta may measure from prefixes
 
     def delta_ids(self, messages: list[Message], *, last_sampled_id: int | None) -> list[int]:
         """Context tokens that follow a sampled assistant turn: its closing, `messages`, the next opening.
@@ -148,24 +147,11 @@ class ChatFormat:
         return await in_daemon_thread(long_delta, name="chat-delta")  # no cache: its key would be the whole answer
 
     def _long_delta(self, messages: list[Message], last_sampled_id: int | None, most: int) -> list[int] | None:
-        """The delta of `messages` if it has at most `most` tokens, else None, told from growing prefixes of its
-        text. Each prefix is cut where a word ends before whitespace: a tokenizer that splits words at whitespace
-        before its model runs (byte-level BPE, Metaspace, WordPiece) tokenizes the words before the cut as it
-        would in the whole text, so a prefix over `most` tokens is exact proof the whole is. An added token
-        holding whitespace could span the cut: with one, the text is tokenized whole."""
+        """The delta of `messages` if it has at most `most` tokens, else None (encode_at_most: from prefixes)."""
         text = self._after_mark(messages, True, self._tools)
         if last_sampled_id is not None and last_sampled_id == self.end_of_turn_id and text.startswith(self._end_text):
             text = text[len(self._end_text) :]
-        end = 4 * (most + 1)  # characters: a token has at least one (specials aside)
-        while self._cuttable and end < len(text):
-            cut = _WORD_END.search(text, end)
-            if cut is None:
-                break
-            if len(self._encode(text[: cut.start() + 1])) > most:
-                return None
-            end = 2 * (cut.start() + 1)
-        ids = self._encode(text)
-        return ids if len(ids) <= most else None
+        return encode_at_most(self._encode, text, most, cuttable=self._cuttable)
 
     def answer_head_ids(self, *, last_sampled_id: int | None) -> list[int]:
         """The head of the next delta that no tool answer changes, less its last token (a tokenizer may

@@ -98,10 +98,10 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse | Response:
         messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
         prompter.check_request_chars(body.prompt, messages, body.chat_template_kwargs)
-        prompt_ids = await prompter.encode_off_loop(
-            prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages, chat_template_kwargs=body.chat_template_kwargs
-        )
         params = to_sampling_params(body)
+        prompt_ids = await prompter.encode_off_loop(
+            prompt_ids=body.prompt_ids, prompt=body.prompt, messages=messages, chat_template_kwargs=body.chat_template_kwargs, max_tokens=params.max_tokens
+        )
         prompter.check(prompt_ids, params)
         if body.is_async:
             return GenerateResponse(request_ids=service.submit(prompt_ids, params, body.n))

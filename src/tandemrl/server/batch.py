@@ -54,8 +54,10 @@ def _texts(item: BatchItem) -> tuple:
 
 def _prepare(prompter: Prompter, item: BatchItem) -> tuple[list[int], SamplingParams]:
     messages = [m.model_dump() for m in item.messages] if item.messages is not None else None
-    prompt_ids = prompter.encode(prompt_ids=item.prompt_ids, prompt=item.prompt, messages=messages, chat_template_kwargs=item.chat_template_kwargs)
     params = to_sampling_params(item)
+    prompt_ids = prompter.encode(
+        prompt_ids=item.prompt_ids, prompt=item.prompt, messages=messages, chat_template_kwargs=item.chat_template_kwargs, max_tokens=params.max_tokens
+    )
     prompter.check(prompt_ids, params)
     return prompt_ids, params
 

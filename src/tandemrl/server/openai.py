@@ -127,8 +127,9 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
         _check_model(body.model, service.model_name)
         body.check_supported()
         prompter.check_request_chars(body.prompt)  # every prompt of the list together, before any is tokenized
-        prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter)
-        params = [_sampling(body, body.max_tokens or 16) for _ in prompts]
+        max_tokens = body.max_tokens or 16
+        prompts = await asyncio.to_thread(_prompt_list, body.prompt, prompter, max_tokens)
+        params = [_sampling(body, max_tokens) for _ in prompts]
         return await _respond(service, prompter, request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", summary="OpenAI: chat completions")
@@ -137,8 +138,9 @@ def add_routes(app: FastAPI, service: RolloutService, prompter: Prompter) -> Non
         body.check_supported()
         messages = [m.model_dump() for m in body.messages]
         prompter.check_request_chars(messages, body.chat_template_kwargs)
-        prompt_ids = await prompter.encode_off_loop(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, prompter.max_model_len - len(prompt_ids))
+        asked = body.max_completion_tokens or body.max_tokens
+        prompt_ids = await prompter.encode_off_loop(messages=messages, chat_template_kwargs=body.chat_template_kwargs, max_tokens=asked or 1)
+        max_tokens = asked or max(1, prompter.max_model_len - len(prompt_ids))
         return await _respond(service, prompter, request, body, [prompt_ids], [_sampling(body, max_tokens)], chat=True)
 
 
@@ -152,15 +154,15 @@ def _check_model(asked: str | None, served: str) -> None:
         raise ModelNotFound(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)")
 
 
-def _prompt_list(prompt: Any, prompter: Prompter) -> list[list[int]]:
+def _prompt_list(prompt: Any, prompter: Prompter, max_tokens: int) -> list[list[int]]:
     """Example: "hi" -> [ids("hi")]; [1, 2] -> [[1, 2]]; ["a", "b"] -> [ids("a"), ids("b")]."""
     if isinstance(prompt, str):
-        return [prompter.encode(prompt=prompt)]
+        return [prompter.encode(prompt=prompt, max_tokens=max_tokens)]
     if not prompt:
         raise ValueError("prompt is empty")
     if isinstance(prompt[0], int):
         return [prompt]
-    return [prompter.encode(prompt=p) if isinstance(p, str) else p for p in prompt]
+    return [prompter.encode(prompt=p, max_tokens=max_tokens) if isinstance(p, str) else p for p in prompt]
 
 
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:

@@ -122,3 +122,24 @@ def test_oversize_bodies_are_413_and_oversize_prompts_400_without_stalling_the_s
 def test_an_openai_stop_string_is_one_item(server, stop):
     body = {"prompt": "hi", "max_tokens": 4, "stop": stop}
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_prompts_too_long_for_max_model_len_are_refused_before_tokenized_whole_and_hold_no_one_up(server):
+    """Prompts under --max_prompt_chars but far past max_model_len were tokenized whole before their 400 (900 K
+    characters: ~5 s of a worker thread each), and 8 of them held a short request beside them 4.6 s; a prefix
+    of the text tells now, on every route."""
+    text = ("the quick brown fox jumps over 12345 lazy dogs; " * 20_000)[:900_000]
+    bodies = [("/generate", {"prompt": text, "max_tokens": 2}), ("/v1/completions", {"prompt": [text, "hi"], "max_tokens": 2}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})] * 3  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        refused = [pool.submit(httpx.post, server.url + path, json=body, timeout=120) for path, body in bodies]
+        time.sleep(0.3)
+        started = time.monotonic()
+        short = httpx.post(server.url + "/generate", json={"prompt": "hello", "max_tokens": 2}, timeout=120)
+        waited = time.monotonic() - started
+        answers = [future.result() for future in refused]
+    assert short.status_code == 200 and waited < 1.5, waited
+    for answer in answers:
+        assert answer.status_code == 400 and "more than" in answer.text and "max_model_len (128)" in answer.text, answer.text[:300]
+    batch = httpx.post(server.url + "/generate_batch", json={"items": [{"request_id": "long", "prompt": text, "max_tokens": 2}]}, timeout=120)
+    assert batch.status_code == 200 and "max_model_len (128)" in batch.json()["error"], batch.text[:300]

@@ -37,3 +37,19 @@ def test_chat_template_kwargs_may_not_set_what_the_template_is_given(tiny_tokeni
     prompter = Prompter(tiny_tokenizer, vocab_size=len(tiny_tokenizer), max_model_len=512)
     with pytest.raises(ValueError, match=f"chat_template_kwargs may not set {name}"):
         prompter.encode(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={name: 1})
+
+
+def test_a_long_prompt_is_refused_from_a_prefix_exactly_where_its_whole_would_be(tiny_tokenizer):
+    """Past 4 characters per token of room, a prompt is measured from prefixes cut at word ends: refused when
+    its whole would not fit beside max_tokens, served when it would, to the token."""
+    text = "the quick brown fox jumps over 12345 lazy dogs; " * 100
+    n = len(tiny_tokenizer.encode(text))
+    for room, fits in ((n, True), (n - 1, False), (n // 10, False)):
+        prompter = Prompter(tiny_tokenizer, vocab_size=len(tiny_tokenizer), max_model_len=room + 5)
+        if fits:
+            assert prompter.encode(prompt=text, max_tokens=5) == tiny_tokenizer.encode(text)
+        else:
+            with pytest.raises(ValueError, match=rf"prompt \(more than {room} tokens\) \+ max_tokens \(5\) > max_model_len \({room + 5}\)"):
+                prompter.encode(prompt=text, max_tokens=5)
+    with pytest.raises(ValueError, match=r"more than 0 tokens\) \+ max_tokens \(5\)"):
+        Prompter(tiny_tokenizer, vocab_size=len(tiny_tokenizer), max_model_len=5).encode(prompt=text, max_tokens=5)

@@ -18,8 +18,10 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandemrl.server import batch, openai
 from tandemrl.server.hangup import disconnected, until_done_or_disconnect
@@ -217,6 +219,27 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
         return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        """FastAPI's own 4xx (a body json.loads refuses beside a JSONDecodeError, an unknown route): saying
+        why, and on the OpenAI routes in OpenAI's error object."""
+        if error.detail == "There was an error parsing the body" and error.__cause__ is not None:
+            error = StarletteHTTPException(400, f"the request body is not JSON this server reads ({_body_fault(error.__cause__)})")
+        if not request.url.path.startswith("/v1/"):
+            return await http_exception_handler(request, error)
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(str(error.detail), kind), status_code=error.status_code, headers=error.headers)
+
+
+def _body_fault(error: BaseException) -> str:
+    """Example: RecursionError -> 'nested too deeply'; an int of 5000 digits -> 'Exceeds the limit (4300 digits) ...'."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8: byte {error.object[error.start]:#x} at {error.start}"
+    text = " ".join(str(error).split(";")[0].split())  # an int's digit limit: less its advice on raising the limit
+    return f"{type(error).__name__}: {text}" if not isinstance(error, ValueError) else text
 
 
 def _short_inputs(errors: Any, most: int = 200) -> list[dict[str, Any]]:

@@ -143,3 +143,20 @@ def test_prompts_too_long_for_max_model_len_are_refused_before_tokenized_whole_a
         assert answer.status_code == 400 and "more than" in answer.text and "max_model_len (128)" in answer.text, answer.text[:300]
     batch = httpx.post(server.url + "/generate_batch", json={"items": [{"request_id": "long", "prompt": text, "max_tokens": 2}]}, timeout=120)
     assert batch.status_code == 200 and "max_model_len (128)" in batch.json()["error"], batch.text[:300]
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "Exceeds the limit (4300 digits) for integer string conversion"),
+    (b'{"prompt": "\xff", "max_tokens": 2}', "not UTF-8"),
+], ids=["deep-nesting", "long-int", "not-utf8"])  # fmt: skip
+def test_a_body_json_cannot_read_is_a_400_saying_why(server, body, says):
+    """Each was a 400 'There was an error parsing the body' (FastAPI's, for what json.loads raises beside a
+    JSONDecodeError), on the OpenAI routes without OpenAI's error object."""
+    for path in ("/generate", "/generate_batch", "/v1/completions", "/v1/chat/completions"):
+        answer = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        message = answer.json()["detail"]
+        assert answer.status_code == 400 and message.startswith("the request body is not JSON") and says in message and "\n" not in message, (path, message)
+        if path.startswith("/v1/"):
+            assert answer.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    assert httpx.post(server.url + "/v1/nothing", json={}, timeout=10).json()["error"]["message"] == "Not Found"

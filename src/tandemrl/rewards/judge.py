@@ -89,10 +89,10 @@ class GenerativeJudge:
             ids = self.tokenizer.apply_chat_template(self.render(prompt, completion), add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             result = await self.generator.generate(list(ids), SamplingParams(max_tokens=self.max_tokens, temperature=0.0))
+            reply = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)  # a garbled answer's ids raise here
         except Exception as error:  # noqa: BLE001 - a judge failure is a missing reward, never a crashed step
             log.warning("reward model failed (%s: %s); the reward is None", type(error).__name__, error)
             return None
-        reply = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         score = self.parse(reply)
         if score is None:
             log.warning("reward model reply has no score, the reward is None: %r", reply[:200])

@@ -78,3 +78,123 @@ def test_a_tiny_model_judges_in_process_without_crashing(tiny_model_dir, tiny_to
     finally:
         asyncio.run(generator.close())
     assert len(scores) == 2 and all(s is None or 0 <= s <= 1 for s in scores)
+
+
+class JudgeServer:
+    """A real HTTP server speaking `tandem rollout`'s /generate_batch, answering each item by the word in its
+    completion (`good`: "Score: 7", `words`: no number, `ids`: token ids no tokenizer decodes, `fails`: the item's
+    own 500), or the whole request as `mode` says: `500`, `close` (the connection cut), `garbage` (not JSON),
+    `hang` (no answer while /health answers)."""
+
+    def __init__(self, tokenizer, mode: str = "items"):
+        import http.server
+        import json
+        import threading
+
+        self.mode, self.released = mode, threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, b"{}")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/generate_batch":
+                    return self._send(200, b"{}")
+                if server.mode == "close":
+                    self.close_connection = True
+                    return self.connection.shutdown(2)
+                if server.mode == "hang":
+                    server.released.wait(30)
+                    return self._send(503, b"{}")
+                if server.mode in ("500", "garbage"):
+                    return self._send(500 if server.mode == "500" else 200, b'{"detail": "judge broke"}' if server.mode == "500" else b"<html>\n")
+                lines = [json.dumps(self._answer(item, tokenizer.decode(item["prompt_ids"]))).encode() + b"\n" for item in body["items"]]
+                self._send(200, b"".join(lines))
+
+            def _answer(self, item, prompt):
+                word = next(w for w in ("good", "words", "ids", "fails") if f"[Response]\n{w}" in prompt)
+                if word == "fails":
+                    return {"request_id": item["request_id"], "status": 500, "error": "this one broke"}
+                ids = [-1, 2**40] if word == "ids" else tokenizer("Score: 7" if word == "good" else "no number", add_special_tokens=False)["input_ids"]
+                return {"request_id": item["request_id"], "token_ids": ids, "logprobs": [0.0] * len(ids), "finish_reason": "stop", "policy_versions": [0] * len(ids)}
+
+            def _send(self, status, data):
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.released.set()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def judge_over(url: str, tokenizer, **remote) -> GenerativeJudge:
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RemoteGenerator
+
+    return GenerativeJudge(generator=RemoteGenerator(RemoteConfig(urls=(url,), **remote)), tokenizer=tokenizer)
+
+
+def test_a_judge_server_answering_garbage_per_item_gives_those_items_none_and_scores_the_others(tiny_tokenizer, caplog):
+    """Through the real client over HTTP: a reply without a number, token ids no tokenizer decodes and an
+    item's own 500 are each that completion's logged None; the good ones beside them are scored."""
+    from tandemrl.rewards.base import RewardFunc, score
+
+    server = JudgeServer(tiny_tokenizer)
+    judge = judge_over(server.url, tiny_tokenizer)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandemrl.rewards.judge"):
+            totals, _ = asyncio.run(score([RewardFunc(name="reward_model", fn=judge)], None, ["p"] * 4, ["good", "words", "ids", "fails"], {}, timeout_s=20))
+    finally:
+        asyncio.run(judge.generator.close())
+        server.stop()
+    assert totals == [0.7, None, None, None]
+    assert "has no score" in caplog.text and "OverflowError" in caplog.text and "this one broke" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["500", "close", "garbage"])
+def test_a_judge_server_failing_the_whole_request_gives_logged_nones_within_seconds(tiny_tokenizer, caplog, mode):
+    import time
+
+    server = JudgeServer(tiny_tokenizer, mode)
+    judge = judge_over(server.url, tiny_tokenizer, max_retries=1)
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandemrl.rewards.judge"):
+            assert asyncio.run(judge(["p", "q"], ["good", "good"])) == [None, None]
+    finally:
+        asyncio.run(judge.generator.close())
+        server.stop()
+    assert time.monotonic() - start < 10
+    assert "reward model failed" in caplog.text
+
+
+def test_a_hung_judge_is_cut_at_the_reward_deadline_not_waited_on(tiny_tokenizer):
+    """A judge server that takes the request and never answers (its /health still does) is given up at
+    --reward_timeout_s: the group's call ends with the documented RewardTimeoutError (its groups are dropped)."""
+    import time
+
+    from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, score
+
+    server = JudgeServer(tiny_tokenizer, "hang")
+    judge = judge_over(server.url, tiny_tokenizer)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RewardTimeoutError, match="'reward_model' did not return within 1 s"):
+            asyncio.run(score([RewardFunc(name="reward_model", fn=judge)], None, ["p"], ["good"], {}, timeout_s=1.0))
+    finally:
+        asyncio.run(judge.generator.close())
+        server.stop()
+    assert time.monotonic() - start < 5

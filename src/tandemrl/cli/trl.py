@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from tandemrl.cli.args import to_bool
+from tandemrl.data.load import FILE_SUFFIXES
 from tandemrl.types import every_steps
 
 # TRL key -> what tandem makes of it (the key's value is given to the rule in translate_keys)
@@ -23,6 +24,7 @@ TRANSLATED = {
     "dataset_config": "--dataset NAME:CONFIG",
     "dataset_train_split": "--dataset_split",
     "dataset_test_split": "--eval_dataset_split",
+    "eval_strategy": "--eval_dataset (dataset_name's dataset, split dataset_test_split) unless no",
     "reward_model_name_or_path": "--reward_model",
     "per_device_train_batch_size": "--num_prompts_per_step (x gradient_accumulation_steps x ranks / num_generations)",
     "gradient_accumulation_steps": "--num_prompts_per_step (with per_device_train_batch_size)",
@@ -70,7 +72,7 @@ IGNORED_BECAUSE = {
         "debug",
     ),
     "tandem evaluates every --eval_steps when --eval_dataset is given": (
-        "eval_strategy", "eval_delay", "per_device_eval_batch_size", "prediction_loss_only", "eval_on_start",
+        "eval_delay", "per_device_eval_batch_size", "prediction_loss_only", "eval_on_start",
         "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics",
         "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "do_train", "do_eval", "do_predict",
         "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
@@ -149,7 +151,7 @@ HINTS = {"lr": "learning_rate", "epochs": "num_train_epochs", "num_epochs": "num
 
 TRL_BATCH = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}  # TRL's defaults
 BUILTIN_REWARDS = {"accuracy_reward": "math_accuracy", "reasoning_accuracy_reward": "math_accuracy"}
-LINKED = (("dataset_name", "dataset_config"), ("vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port"))
+LINKED = (("dataset_name", "dataset_config", "eval_strategy"), ("vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port"))
 """TRL keys read together: a flag of one group takes the yaml's others of it along (translate_keys reads them as one)."""
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
 
@@ -220,6 +222,8 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
         name, config = values.get("dataset_name"), values.get("dataset_config")
         if name:
             out["dataset"] = f"{name}:{config}" if config else name
+    elif key == "eval_strategy":
+        _eval_strategy(value, values, out)
     elif key == "vllm_enable_sleep_mode":
         if to_bool(key, value):
             out["sleep_level"] = 2  # TRL sleeps vLLM at level 2 (KV cache and weights)
@@ -253,6 +257,21 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
             out["log_completions_steps"] = 0
     else:
         raise AssertionError(f"TRANSLATED key {key} has no rule")
+
+
+def _eval_strategy(value: Any, values: dict[str, Any], out: dict[str, Any]) -> None:
+    """TRL's script evaluates on dataset_name's dataset_test_split (--eval_dataset_split) unless eval_strategy is
+    "no"; tandem evaluates every --eval_steps, so any other strategy names the eval dataset. An --eval_dataset
+    given beside it wins. Example: {"dataset_name": "d", "eval_strategy": "steps"} -> --eval_dataset d"""
+    name, config = values.get("dataset_name"), values.get("dataset_config")
+    if str(value) == "no" or not name or values.get("eval_dataset"):
+        return
+    if str(name).endswith(FILE_SUFFIXES):
+        raise ValueError(
+            f"eval_strategy {value} evaluates on dataset_name's test split, and {name} is one file with no such split; "
+            "pass --eval_dataset FILE, or eval_strategy no"
+        )
+    out["eval_dataset"] = f"{name}:{config}" if config else name
 
 
 def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]) -> dict[str, Any]:

@@ -249,3 +249,22 @@ def test_readme_tables_have_no_row_cut_off_by_a_blank_line():
     """The "Coming from TRL" table once had rows cut off by blank lines (issue 35); every table is whole."""
     assert cut_off_rows("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n") == [5]
     assert cut_off_rows((Path(__file__).parents[3] / "README.md").read_text()) == []
+
+
+def test_eval_strategy_evaluates_on_the_datasets_test_split_as_trls_script(tmp_path):
+    """TRL's script evaluates on dataset_name's dataset_test_split whenever eval_strategy is not "no"; without
+    --eval_dataset tandem evaluated nothing, and dataset_test_split alone still changes nothing (TRL's default)."""
+    config_path = tmp_path / "grpo.yaml"
+    config_path.write_text("dataset_name: openai/gsm8k\ndataset_config: main\neval_strategy: steps\neval_steps: 20\ndataset_test_split: validation\n")
+    config, _ = parse(["--config", str(config_path)])
+    assert (config.data.eval_dataset, config.data.eval_dataset_split, config.data.eval_steps) == ("openai/gsm8k:main", "validation", 20)
+    config, _ = parse(["--config", str(config_path), "--dataset_name", "org/other"])  # a flag of the group takes eval_strategy along
+    assert config.data.eval_dataset == "org/other:main"
+    config, _ = parse(["--config", str(config_path), "--eval_dataset", "e.jsonl"])  # tandem's own flag wins
+    assert config.data.eval_dataset == "e.jsonl"
+    config, _ = parse(["--dataset_name", "org/d", "--eval_strategy", "no"])
+    assert config.data.eval_dataset == ""
+    config_path.write_text("dataset_name: org/d\neval_strategy: epoch\neval_dataset: e.jsonl\n")  # one source, both
+    assert parse(["--config", str(config_path)])[0].data.eval_dataset == "e.jsonl"
+    with pytest.raises(ValueError, match="d.jsonl is one file with no such split; pass --eval_dataset FILE, or eval_strategy no"):
+        parse(["--dataset_name", "d.jsonl", "--eval_strategy", "steps"])

@@ -62,7 +62,8 @@ class DataConfig:
     """Where prompts come from and how many a step takes."""
 
     dataset: str = ""
-    """Hub id, local JSONL/Parquet file or saved dataset with a `prompt` column (other columns go to rewards)."""
+    """Hub id, local .jsonl/.json/.parquet/.csv file or directory (save_to_disk's, or of data files) with a `prompt`
+    column (other columns go to rewards)."""
     dataset_split: str = "train"
     """Split of a hub or saved dataset."""
     shuffle_dataset: bool = True

@@ -413,7 +413,7 @@ def _data(config: TrainConfig, task: Task | None) -> list[Example]:
         return task.load()
     if config.data.dataset:
         return load_examples(config.data.dataset, split=config.data.dataset_split)
-    raise ValueError("no data: pass --dataset (hub id, .jsonl/.parquet file or saved dataset) or --task")
+    raise ValueError("no data: pass --dataset (hub id, .jsonl/.json/.parquet/.csv file or directory) or --task")
 
 
 def _eval_set(config: TrainConfig) -> EvalSet | None:

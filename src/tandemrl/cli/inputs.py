@@ -31,8 +31,8 @@ def check_inputs(config: TrainConfig) -> None:
         )
     if dataset and _looks_like_file(dataset) and not os.path.exists(os.path.expanduser(dataset)):
         raise FileNotFoundError(
-            f"dataset {dataset!r} does not exist; pass an existing .jsonl/.json/.parquet file, a directory saved "
-            "with datasets.save_to_disk, or a hub id"
+            f"dataset {dataset!r} does not exist; pass an existing .jsonl/.json/.parquet/.csv file, a directory (saved "
+            "with datasets.save_to_disk, or of data files), or a hub id"
         )
     hub_model = is_hub_model(model)
     hub_data = (bool(dataset) and not _looks_like_file(dataset) and not os.path.isdir(os.path.expanduser(dataset))) or (

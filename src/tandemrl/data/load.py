@@ -1,8 +1,9 @@
-"""Loading a dataset into Examples: a local .jsonl/.json/.parquet file, a `save_to_disk` directory, or a hub id.
+"""Loading a dataset into Examples: a local .jsonl/.json/.parquet/.csv file, a directory (saved by `save_to_disk`, or of
+data files `datasets.load_dataset` reads as splits: train.jsonl, test.csv, ...), or a hub id.
 
 Invariant: every Example of one dataset has a valid prompt (a string or {role, content} messages) and
 the same column names, missing values filled with None, so reward columns align across a batch.
-`datasets` is imported only for hub ids and saved directories.
+`datasets` is imported only for hub ids and directories.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from tandemrl.data.prompts import lone_surrogate
 from tandemrl.types import REWARD_KEYWORDS, Example
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def load_examples(spec: str, *, split: str = "train", limit: int | None = None, config: str | None = None) -> list[Example]:
@@ -84,6 +85,12 @@ def rows_to_examples(rows: list[dict[str, Any]], *, source: str) -> list[Example
     names = list(dict.fromkeys(name for row in rows for name in row))
     if "prompt" not in names:
         listed = ", ".join(names)
+        if "messages" in names:  # SFT's format: renamed to prompt, the model would be asked to go on after the answer
+            raise ValueError(
+                f"dataset {source} has no 'prompt' column (columns: {listed}); 'messages' holds whole conversations (SFT's "
+                "format), the answer included: give a 'prompt' column of the messages before the answer (the answer may "
+                "stay in another column, for the reward functions)"
+            )
         raise ValueError(f"dataset {source} has no 'prompt' column (columns: {listed}); rename the prompt column to 'prompt'")
     others = [name for name in names if name != "prompt"]
     for name in others:
@@ -134,7 +141,11 @@ def _read_file(path: str, spec: str) -> list[dict[str, Any]]:
         import pyarrow.parquet
 
         return pyarrow.parquet.read_table(path).to_pylist()
-    raise ValueError(f"dataset file {spec!r} has an unsupported type; use .jsonl, .json or .parquet")
+    if path.endswith(".csv"):
+        import pyarrow.csv  # typed as `datasets` types a csv: numbers as numbers, an empty number cell None
+
+        return pyarrow.csv.read_csv(path).to_pylist()
+    raise ValueError(f"dataset file {spec!r} has an unsupported type; use .jsonl, .json, .parquet or .csv")
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -166,12 +177,18 @@ def _read_json(path: str) -> list[dict[str, Any]]:
 
 
 def _read_saved(path: str, split: str, limit: int | None) -> list[dict[str, Any]]:
+    """A directory saved by save_to_disk, else one of data files, read as `load_dataset(path)` reads it (TRL's script)."""
     import datasets
 
     try:
         dataset = datasets.load_from_disk(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is not a dataset saved with save_to_disk; pass such a directory or a file") from None
+        try:
+            dataset = datasets.load_dataset(path)
+        except FileNotFoundError:  # datasets' EmptyDatasetError, DataFilesNotFoundError
+            raise FileNotFoundError(
+                f"{path} holds no dataset saved with save_to_disk and no data files (.jsonl, .json, .parquet, .csv); pass such a directory or a file"
+            ) from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ValueError(f"dataset {path} has no split {split!r} (splits: {', '.join(dataset)}); pick one of them")

@@ -148,3 +148,35 @@ def test_a_column_named_like_a_reward_keyword_is_refused_naming_it(tmp_path, col
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", column: "2"}])
     with pytest.raises(ValueError, match=rf"^dataset .* has a column '{column}', a keyword reward functions receive .*; rename it$"):
         load_examples(path)
+
+
+def test_a_csv_file_loads_with_its_values_typed(tmp_path) -> None:
+    """TRL users load csv through `datasets` (typed by its csv reader); a .csv file was refused here."""
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,answer,weight\n"1+1=",2,0.5\n"say ""hi"", twice",4,\n')
+    examples = load_examples(str(path))
+    assert [e.prompt for e in examples] == ["1+1=", 'say "hi", twice']
+    assert [e.columns for e in examples] == [{"answer": 2, "weight": 0.5}, {"answer": 4, "weight": None}]
+
+
+def test_a_directory_of_data_files_loads_its_splits_as_datasets_does(tmp_path) -> None:
+    """`load_dataset(dir)` (TRL's script, for a dataset_name that is a local directory) reads train.jsonl /
+    test.jsonl as splits; such a directory was refused as not saved with save_to_disk."""
+    (tmp_path / "data").mkdir()
+    _jsonl(tmp_path / "data" / "train.jsonl", ROWS)
+    _jsonl(tmp_path / "data" / "test.jsonl", ROWS[:1])
+    assert [e.prompt for e in load_examples(str(tmp_path / "data"))] == ["1+1=", "2+2=", "3+3="]
+    assert [e.columns for e in load_examples(str(tmp_path / "data"), split="test")] == [{"answer": "2"}]
+    with pytest.raises(ValueError, match=r"has no split 'validation' \(splits: train, test\); pick one of them"):
+        load_examples(str(tmp_path / "data"), split="validation")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no dataset saved with save_to_disk and no data files"):
+        load_examples(str(tmp_path / "empty"))
+
+
+def test_a_messages_column_is_refused_as_whole_conversations_not_prompts(tmp_path) -> None:
+    """SFT's `messages` (the answer included) is no GRPO prompt: renamed to prompt, the model would be asked
+    to go on after the answer. TRL's GRPOTrainer fails on it with a KeyError."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT + [{"role": "assistant", "content": "2"}]}])
+    with pytest.raises(ValueError, match=r"has no 'prompt' column \(columns: messages\); 'messages' holds whole conversations"):
+        load_examples(path)

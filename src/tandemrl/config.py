@@ -70,7 +70,8 @@ class DataConfig:
     """TRL's name: draw the prompts in an order reshuffled every epoch (from --seed); false = the dataset's order,
     every epoch. A resumed run goes on in its checkpoint's order."""
     max_prompt_length: int = 512
-    """Longest prompt in tokens; a longer one is an error naming the example."""
+    """Longest prompt in tokens (after the chat template); a longer one stops the run before its first step, naming
+    its row and dataset: a prompt is never truncated (TRL 1.16 keeps every prompt whole)."""
     num_prompts_per_step: int = 16
     """Groups (distinct prompts) per optimizer step."""
     num_generations: int = 8

@@ -226,9 +226,10 @@ async def _main(parts: LoopParts, settings: LoopSettings, start_step: int, confi
     try:
         async with open_tool_env(config.tools) as env:  # MCP sessions: opened once, closed when the run ends
             tools = env.tools if env is not None else None
-            parts.prompt_ids = _prompt_ids(config, parts.examples, parts.tokenizer, tools)
+            source = f"--dataset {config.data.dataset}" if config.data.dataset else f"task {config.run.task}'s data"
+            parts.prompt_ids = _prompt_ids(config, parts.examples, parts.tokenizer, tools, source)
             if parts.evals is not None:
-                parts.evals.prompt_ids = _prompt_ids(config, parts.evals.examples, parts.tokenizer, tools)
+                parts.evals.prompt_ids = _prompt_ids(config, parts.evals.examples, parts.tokenizer, tools, f"--eval_dataset {config.data.eval_dataset}")
             if env is not None:
                 parts.multi_turn = MultiTurn(
                     env=env, chat=ChatFormat(parts.tokenizer, tools, chat_template_kwargs=config.data.chat_template_kwargs),
@@ -432,12 +433,13 @@ def _eval_set(config: TrainConfig) -> EvalSet | None:
     )  # fmt: skip
 
 
-def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, tools: list[dict] | None) -> list[list[int]]:
-    """Every prompt in tokens, with the tools' schemas when there are tools (known once MCP servers answer)."""
+def _prompt_ids(config: TrainConfig, examples: list[Example], tokenizer: Any, tools: list[dict] | None, source: str) -> list[list[int]]:
+    """Every prompt in tokens, with the tools' schemas when there are tools (known once MCP servers answer); `source`
+    names the data in the error of a prompt past --max_prompt_length."""
     prompt_ids = []
     for example in examples:
         ids = encode_prompt(tokenizer, example.prompt, tools=tools, **config.data.chat_template_kwargs)
-        check_prompt_length(ids, config.data.max_prompt_length, example.index)
+        check_prompt_length(ids, config.data.max_prompt_length, example.index, source)
         prompt_ids.append(ids)
     return prompt_ids
 

@@ -47,12 +47,14 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
-def check_prompt_length(ids: list[int], max_prompt_length: int, index: int) -> None:
-    """Raises ValueError when example `index`'s prompt has more than `max_prompt_length` tokens."""
+def check_prompt_length(ids: list[int], max_prompt_length: int, index: int, source: str) -> None:
+    """Raises ValueError when row `index` of `source` (e.g. "--eval_dataset e.jsonl") has a prompt of more than
+    `max_prompt_length` tokens. A prompt is never truncated (TRL 1.16 has no max_prompt_length and keeps it whole;
+    older TRL cut it from the left, silently): the run stops before its first step, naming the row."""
     if len(ids) > max_prompt_length:
         raise ValueError(
-            f"prompt of example {index} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
-            "raise --max_prompt_length or shorten the prompt"
+            f"prompt of row {index} of {source} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length} "
+            "(a prompt is never truncated); raise --max_prompt_length, or shorten or drop the row"
         )
 
 

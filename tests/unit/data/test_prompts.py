@@ -40,11 +40,11 @@ def test_messages_without_a_chat_template_say_the_fix(tiny_tokenizer) -> None:
     assert encode_prompt(tokenizer, "hi") == encode_prompt(tiny_tokenizer, "hi")
 
 
-def test_prompt_too_long_names_example_and_flag() -> None:
-    check_prompt_length([0] * 512, 512, 17)
+def test_prompt_too_long_names_row_dataset_and_flag() -> None:
+    check_prompt_length([0] * 512, 512, 17, "--dataset d.jsonl")
     message = (
-        "prompt of example 17 has 900 tokens, more than --max_prompt_length 512; "
-        "raise --max_prompt_length or shorten the prompt"
+        "prompt of row 17 of --dataset d.jsonl has 900 tokens, more than --max_prompt_length 512 (a prompt is never "
+        "truncated); raise --max_prompt_length, or shorten or drop the row"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        check_prompt_length([0] * 900, 512, 17)
+        check_prompt_length([0] * 900, 512, 17, "--dataset d.jsonl")

@@ -335,6 +335,36 @@ def test_resume_of_a_checkpoint_that_records_no_flags_warns_they_went_unchecked(
     assert [m["step"] for m in metrics(run)] == [1, 2, 3]
 
 
+def test_a_plain_resume_continues_its_checkpoints_flags_after_a_changed_run_died_before_its_next(tmp_path, two_checkpoints):
+    """--resume_allow_changed_flags rewrote config.yaml as the run started; when that run died before its next
+    checkpoint, a plain --resume took config.yaml's new values, compared them with the checkpoint's old ones and
+    was refused naming flags nobody typed. A resume now continues the flags of the checkpoint it resumes from, exactly."""
+    from safetensors.torch import load_file
+
+    run, reference = shutil.copytree(two_checkpoints, tmp_path / "run"), shutil.copytree(two_checkpoints, tmp_path / "reference")
+    changed = ["--learning_rate", "0.002", "--num_generations", "4"]
+    allowed = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", *changed, "--resume_allow_changed_flags")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "learning_rate: 0.002" in (run / "config.yaml").read_text()
+    shutil.rmtree(run / "checkpoint-3")  # the run with the new flags died before its next checkpoint
+    refused = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3", "--num_generations", "4")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = error_lines(refused)
+    assert line.startswith("tandem train: error: --resume: --num_generations 2 -> 4 since checkpoint-2 change what the run computes;"), line
+    plain = tandem("train", "--output_dir", str(run), "--resume", "--max_steps", "3")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "WARNING" not in plain.stderr and "--resume: --max_steps 2 -> 3 since checkpoint-2" in plain.stderr
+    assert "learning_rate: 0.001" in (run / "config.yaml").read_text()
+    same = tandem("train", "--output_dir", str(reference), "--resume", "--max_steps", "3")  # a normal run resumed
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "WARNING" not in same.stderr and "--resume: --max_steps 2 -> 3 since checkpoint-2" in same.stderr
+    a, b = load_file(run / "checkpoint-3" / "model.safetensors"), load_file(reference / "checkpoint-3" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    computed = ("step", "reward", "loss", "learning_rate", "completions/mean_length")
+    assert [[m[k] for k in computed] for m in metrics(run)] == [[m[k] for k in computed] for m in metrics(reference)]
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3]
+
+
 def _no_larger_files(limit: int):
     def apply() -> None:  # in the child: a write past `limit` bytes fails with EFBIG, as on a full disk
         import resource

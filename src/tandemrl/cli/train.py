@@ -1,5 +1,6 @@
-"""`tandem train`: resolves the config (defaults < task recipe < --config yaml < flags), builds the
-parts from their leaf configs, and runs the loop. The only place that picks recipes and prints."""
+"""`tandem train`: resolves the config (defaults < task recipe < --config yaml < flags; a --resume's base
+is its checkpoint's flags), builds the parts from their leaf configs, and runs the loop. The only place that
+picks recipes and prints."""
 
 from __future__ import annotations
 
@@ -119,12 +120,9 @@ def recipe_notes() -> dict[str, str]:
 
 
 def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
-    """defaults < task recipe < run dir's saved config (when resuming) < yaml < flags."""
+    """defaults < task recipe < the resumed checkpoint's flags (when resuming) < yaml < flags."""
     values = {**yaml_values, **flags}
-    saved: dict[str, Any] = {}
-    if _given_true(values, "resume") and values.get("output_dir"):
-        saved_path = Path(values["output_dir"]) / "config.yaml"
-        saved = load_yaml(str(saved_path)) if saved_path.exists() else {}
+    saved = _resumed(Path(values["output_dir"])) if _given_true(values, "resume") and values.get("output_dir") else {}
     chosen = {**saved, **values}
     task = chosen.get("task") or ("" if chosen.get("dataset") else "synthetic")
     recipe: dict[str, Any] = {}
@@ -138,6 +136,19 @@ def resolve(yaml_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any
         if _wants_lora(chosen) and chosen.get("model", recipe.get("model")) == recipe.get("model"):
             recipe.update(found.lora_recipe)
     return {**recipe, **chosen, "task": task}
+
+
+def _resumed(run_dir: Path) -> dict[str, Any]:
+    """The flags a --resume of run_dir continues: those its checkpoint kept (the state resumed is theirs), else
+    (a checkpoint from before they were kept, or none yet) its config.yaml's. config.yaml holds the newest run's
+    flags from its start: ahead of the checkpoint when a run with changed flags died before its next one."""
+    from tandemrl.train.checkpoint import resumed_flags
+
+    kept = resumed_flags(run_dir)
+    if kept is not None:
+        return kept
+    path = run_dir / "config.yaml"
+    return load_yaml(str(path)) if path.exists() else {}
 
 
 def _given_true(values: dict[str, Any], key: str) -> bool:

@@ -128,7 +128,7 @@ def disk_failure(error: BaseException, directory: Path) -> str | None:
 
 
 def how_to_continue(run_dir: Path) -> str:
-    """The command that continues a stopped run (its flags are in its config.yaml), or says none is needed."""
+    """The command that continues a stopped run (its flags are in its checkpoint), or says none is needed."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return f"no checkpoint yet in {run_dir}: run the same command with --output_dir {run_dir} to start it again in place"
@@ -156,6 +156,18 @@ def _complete(run_dir: str | Path) -> list[Path]:
 def load_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint (the caller restores RNGs last, after building everything)."""
     return torch.load(checkpoint / STATE_FILE, weights_only=False)
+
+
+def resumed_flags(run_dir: str | Path) -> dict[str, Any] | None:
+    """The flags kept by the checkpoint --resume continues (the newest whose trainer state reads), or None when
+    it records none (written before checkpoints kept them) or run_dir has none. Its tensors are mapped, not read."""
+    for checkpoint in _complete(run_dir):
+        try:
+            state = torch.load(checkpoint / STATE_FILE, weights_only=False, mmap=True)
+        except Exception:  # noqa: BLE001 (a torn state: resumable_checkpoint passes over it and says so)
+            continue
+        return state.get("flags")
+    return None
 
 
 def resumable_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:

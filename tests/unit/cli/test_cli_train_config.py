@@ -278,3 +278,25 @@ def test_a_refused_resume_says_only_its_error_and_a_longer_decaying_schedule_is_
     with caplog.at_level(logging.INFO):
         _check_flags(longer, state, Path("checkpoint-4"))
     assert caplog.messages == ["--resume: --max_steps 4 -> 8 since checkpoint-4; the learning-rate schedule spans the new length from here on"]
+
+
+def test_a_resume_starts_from_the_flags_of_the_checkpoint_it_continues(tmp_path):
+    """The newest checkpoint whose state reads gives a resume's flags (config.yaml may be a newer run's that
+    died before its first checkpoint); a checkpoint that kept none leaves them to config.yaml."""
+    import torch
+
+    from tandemrl.cli.args import dump_yaml
+    from tandemrl.cli.build import saved_flags
+
+    (tmp_path / "config.yaml").write_text(dump_yaml(saved_flags(parse(["--learning_rate", "0.3", "--seed", "5"])[0])))
+    for step, state in ((1, {"flags": saved_flags(parse(["--learning_rate", "0.1"])[0])}), (2, {"flags": saved_flags(parse(["--learning_rate", "0.2"])[0])})):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        torch.save(state, tmp_path / f"checkpoint-{step}" / "trainer_state.pt")
+    resumed = ["--output_dir", str(tmp_path), "--resume"]
+    assert (parse(resumed)[0].trainer.learning_rate, parse(resumed)[0].run.seed) == (0.2, 0)
+    assert parse([*resumed, "--learning_rate", "0.4"])[0].trainer.learning_rate == 0.4
+    state = tmp_path / "checkpoint-2" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:20])  # torn: the resume goes on from checkpoint-1
+    assert parse(resumed)[0].trainer.learning_rate == 0.1
+    torch.save({}, tmp_path / "checkpoint-1" / "trainer_state.pt")  # from before checkpoints kept the flags
+    assert (parse(resumed)[0].trainer.learning_rate, parse(resumed)[0].run.seed) == (0.3, 5)

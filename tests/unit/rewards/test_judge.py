@@ -140,6 +140,14 @@ class JudgeServer:
         self.http.server_close()
 
 
+def asyncio_errors(caplog) -> list[str]:
+    """What asyncio logged (a task's error nobody retrieved, a task destroyed pending), once the tasks are collected."""
+    import gc
+
+    gc.collect()
+    return [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
 def judge_over(url: str, tokenizer, **remote) -> GenerativeJudge:
     from tandemrl.generation.base import RemoteConfig
     from tandemrl.generation.remote import RemoteGenerator
@@ -166,6 +174,8 @@ def test_a_judge_server_answering_garbage_per_item_gives_those_items_none_and_sc
 
 @pytest.mark.parametrize("mode", ["500", "close", "garbage"])
 def test_a_judge_server_failing_the_whole_request_gives_logged_nones_within_seconds(tiny_tokenizer, caplog, mode):
+    """...and every error is retrieved: on main a garbled answer's JSONDecodeError stayed in the client's task
+    (asyncio's "Task exception was never retrieved" traceback in the run's log)."""
     import time
 
     server = JudgeServer(tiny_tokenizer, mode)
@@ -179,9 +189,10 @@ def test_a_judge_server_failing_the_whole_request_gives_logged_nones_within_seco
         server.stop()
     assert time.monotonic() - start < 10
     assert "reward model failed" in caplog.text
+    assert asyncio_errors(caplog) == []
 
 
-def test_a_hung_judge_is_cut_at_the_reward_deadline_not_waited_on(tiny_tokenizer):
+def test_a_hung_judge_is_cut_at_the_reward_deadline_not_waited_on(tiny_tokenizer, caplog):
     """A judge server that takes the request and never answers (its /health still does) is given up at
     --reward_timeout_s: the group's call ends with the documented RewardTimeoutError (its groups are dropped)."""
     import time
@@ -198,3 +209,4 @@ def test_a_hung_judge_is_cut_at_the_reward_deadline_not_waited_on(tiny_tokenizer
         asyncio.run(judge.generator.close())
         server.stop()
     assert time.monotonic() - start < 5
+    assert asyncio_errors(caplog) == []

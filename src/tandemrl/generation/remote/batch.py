@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -116,8 +117,10 @@ class Batcher:
         unresolved ones to the least-loaded server with backoff, within request_timeout_s and max_retries."""
         try:
             await self._send_with_retries(calls)
-        finally:  # a garbled answer or a bug fails the calls left, rather than leave them waiting forever
-            _fail(calls, RuntimeError("the rollout server's answer could not be read (see the log)"))
+        except Exception as error:  # noqa: BLE001 - a garbled answer or a bug: the calls left fail, saying it (no task holds it)
+            _fail(calls, RuntimeError(f"the rollout server's answer could not be read ({type(error).__name__}: {error})"))
+        finally:  # cancelled (the client closing): the calls left fail rather than wait forever
+            _fail(calls, RuntimeError("the rollout client closed before the server answered"))
 
     async def _send_with_retries(self, calls: list[Call]) -> None:
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -161,10 +164,11 @@ class Batcher:
                 if response.status_code == 503:
                     return f"rollout server {url} is busy: {response.text[:200]}"
                 json_or_raise(url, response)
-            async for result in _ndjson(response):
-                call = by_id.pop(result["request_id"], None)
-                if call is not None and not call.future.done():
-                    _resolve(call.future, url, result)
+            async with contextlib.aclosing(_ndjson(response)) as results:  # closed here, not by the loop's finalizer
+                async for result in results:
+                    call = by_id.pop(result["request_id"], None)
+                    if call is not None and not call.future.done():
+                        _resolve(call.future, url, result)
         return f"the answer of rollout server {url} ended with {len(by_id)} of {len(calls)} results missing" if by_id else None
 
     def _move(self, calls: list[Call], url: str) -> None:
@@ -179,11 +183,12 @@ async def _ndjson(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON lines of a streamed answer, split on b"\\n" only: aiter_lines would also split on the
     U+2028 or U+0085 that a sampled text may hold (JSON leaves them unescaped)."""
     pending = b""
-    async for chunk in response.aiter_bytes():
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            if line:
-                yield json.loads(line)
+    async with contextlib.aclosing(response.aiter_bytes()) as chunks:  # a garbled line ends it, closed at once
+        async for chunk in chunks:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line:
+                    yield json.loads(line)
 
 
 def _resolve(future: asyncio.Future[Completion], url: str, result: dict[str, Any]) -> None:

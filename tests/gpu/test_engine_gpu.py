@@ -296,6 +296,28 @@ def test_fused_sampler_matches_the_torch_sampler():
 
 
 @cuda
+def test_sampler_kernels_logprobs_match_float64_at_low_temperatures():
+    # logits near 60 at T = 1e-4 are ~6e5 tempered: the unfiltered kernel tempered before subtracting the
+    # max and was 3e-2 off there (tests/unit/generation/engine/test_split_decode.py checks it in the interpreter)
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_filtered, sample_unfiltered
+
+    torch.manual_seed(6)
+    batch, vocab, top_k = 48, 151936, 50
+    temperatures = torch.tensor([1e-4, 1e-2, 0.3] * 16)
+    logits = torch.randn(batch, vocab) * 3 + 50
+    logits.scatter_(1, torch.randint(vocab, (batch, 8)), 60 + temperatures[:, None] * torch.randn(batch, 8) * 2)  # none certain
+    keys = row_keys(torch.arange(batch) * 7919, torch.full((batch,), 130))
+    exact = logits.double() / temperatures.double()[:, None]
+    dropped = exact.sort(dim=-1, descending=True, stable=True).indices[:, top_k:]  # top-k keeps the first of ties
+    cuda_ = [t.cuda() for t in (logits, temperatures, torch.full((batch,), top_k), torch.ones(batch), torch.zeros(batch), keys)]
+    ids, logprobs = sample_unfiltered(cuda_[0], cuda_[1], cuda_[5])
+    assert (logprobs.cpu().double() - exact.log_softmax(-1).gather(-1, ids.cpu()[:, None])[:, 0]).abs().max() < 1e-5
+    ids, logprobs, _ = sample_filtered(*cuda_)
+    kept = exact.scatter(-1, dropped, float("-inf")).log_softmax(-1)
+    assert (logprobs.cpu().double() - kept.gather(-1, ids.cpu()[:, None])[:, 0]).abs().max() < 1e-5
+
+
+@cuda
 @pytest.mark.parametrize("fast", [True, False])
 def test_kernel_gumbel_noise_is_within_1e_5_of_float64_for_every_uniform(fast):
     from tests.gpu.noise_kernel import noise_kernel

@@ -157,3 +157,28 @@ def test_a_temperature_does_not_tie_logits_an_ulp_apart():
         logits = torch.stack([low, high, torch.tensor(0.2)]).expand(4, -1)
         tokens, _, floors = sample(logits, tensors(4, temperature=temperature, top_k=1, vocab=3))
         assert tokens.tolist() == [1] * 4 and torch.isfinite(floors).all()
+
+
+def low_temperature_logits(rows: int, vocab: int, temperature: float) -> torch.Tensor:
+    """Logits near 60 (a trained model's top logits), 8 tokens within a few temperatures of the top: none certain."""
+    logits = torch.randn(rows, vocab) * 3 + 50
+    logits[:, :8] = 60 + temperature * torch.randn(rows, 8) * 2
+    return logits
+
+
+def test_logprobs_at_low_temperatures_match_float64():
+    # the logits were divided by T before the row max was subtracted: at T = 1e-4 the tempered logits are ~6e5,
+    # whose float32 spacing (1/16) put the logprob off by 3e-2 (3e-4 at T = 0.01); the trainer scores the same
+    # token at the same T with its own rounding, so the importance ratios of low-temperature runs were off
+    torch.manual_seed(0)
+    rows, vocab = 64, 1000
+    for temperature in (1e-4, 1e-2, 0.3):
+        logits = low_temperature_logits(rows, vocab, temperature)
+        for top_k in (-1, 5):  # unfiltered, and filtered (the renormalised logprob)
+            token_ids, logprobs, _ = sample(logits, tensors(rows, temperature=temperature, top_k=top_k, vocab=vocab))
+            exact = logits.double() / temperature
+            if top_k > 0:  # the first top_k of a stable sort: float32 logits near 60 often tie
+                dropped = exact.sort(dim=-1, descending=True, stable=True).indices[:, top_k:]
+                exact = exact.scatter(-1, dropped, float("-inf"))
+            exact = exact.log_softmax(-1).gather(-1, token_ids[:, None])[:, 0]
+            assert (logprobs.double() - exact).abs().max() < 1e-5, (temperature, top_k)

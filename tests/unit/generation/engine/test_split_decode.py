@@ -176,6 +176,28 @@ def test_filtered_sampling_kernel_equals_the_torch_sampler_on_random_settings(se
 
 
 @needs_triton
+def test_unfiltered_sampling_kernel_logprobs_match_float64_at_low_temperatures():
+    # the kernel tempered the logits before subtracting the max: at T = 1e-4 logits of ~60 are ~6e5, whose
+    # float32 spacing (1/16) put the logprob off by ~3e-2. Three chunks of 1024 (the near-top tokens in each,
+    # so chunks whose maxima differ are merged), greedy rows (the argmax) and T = 1 among them
+    from tandemrl.generation.engine.layers.sampler_kernel import sample_unfiltered
+
+    torch.manual_seed(0)
+    rows, vocab = 20, 3000
+    temperatures = torch.tensor([1e-4, 1e-2, 0.3, 1.0, 0.0] * 4)
+    logits = torch.randn(rows, vocab) * 3 + 50
+    near_top = torch.tensor([3, 700, 1024, 1500, 2047, 2048, 2600, 2999])
+    logits[:, near_top] = 60 + temperatures.clamp(min=1e-4)[:, None] * torch.randn(rows, 8) * 2
+    keys = row_keys(torch.arange(rows) * 7919, torch.full((rows,), 130))
+    sampling = SamplingTensors(temperatures, torch.full((rows,), vocab), torch.ones(rows), torch.zeros(rows), keys, False)
+    expected_ids, _, _ = sample(logits, sampling)
+    ids, logprobs = (t.cpu() for t in sample_unfiltered(logits.to(DEVICE), temperatures.to(DEVICE), keys.to(DEVICE), chunk=1024))
+    assert ids.tolist() == expected_ids.tolist()
+    exact = (logits.double() / temperatures.masked_fill(temperatures == 0, 1.0).double()[:, None]).log_softmax(-1)
+    assert (logprobs.double() - exact.gather(-1, ids[:, None])[:, 0]).abs().max() < 1e-5
+
+
+@needs_triton
 def test_the_step_inputs_kernel_equals_the_torch_forms():
     from tandemrl.generation.engine.decode_state import LENS, POSITIONS, SEEDS, DecodeState
     from tandemrl.generation.engine.state_kernel import step_inputs

@@ -150,29 +150,31 @@ def sample(logits: Tensor, t: SamplingTensors) -> tuple[Tensor, Tensor, Tensor |
     if t.penalty is not None:
         logits = penalise(logits, t.penalty)
     greedy = t.temperatures == 0
-    scaled = logits / torch.where(greedy, 1.0, t.temperatures)[:, None]
+    temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]
+    # the row max comes off before the temperature (as the kernels'): logits of ~60 at T = 1e-4 are ~6e5
+    # tempered, where float32's spacing (1/16) put logprobs off by 3e-2 from the trainer's
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperatures
     floors = None
     if t.needs_filter:
         filtered = filter_logits(scaled, t, order_by=logits)
-        floors = logit_floors(scaled, filtered, t, greedy)
+        floors = logit_floors(logits / temperatures, filtered == float("-inf"), t, greedy)
         scaled = torch.where(greedy[:, None], scaled, filtered)
     logprobs = scaled.log_softmax(-1)
     noise = gumbel_noise(t.keys, logits.shape[-1]).masked_fill_(greedy[:, None], 0.0)
     # greedy rows: the argmax of the logits themselves (log_softmax's rounding can tie logits an ulp apart)
-    token_ids = torch.where(greedy, scaled.argmax(-1), (logprobs + noise).argmax(-1))
+    token_ids = torch.where(greedy, logits.argmax(-1), (logprobs + noise).argmax(-1))
     return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0], floors
 
 
-def logit_floors(scaled: Tensor, filtered: Tensor, t: SamplingTensors, greedy: Tensor) -> Tensor:
+def logit_floors(scaled: Tensor, excluded: Tensor, t: SamplingTensors, greedy: Tensor) -> Tensor:
     """[B] per row, halfway between the lowest tempered logit it kept and the highest it excluded
-    (`scaled` before the filters, `filtered` after: -inf where excluded); -inf for a row that excludes
-    nothing or is greedy. What a sampler returns per token for the trainer to renormalise by: the kept
-    set is the tokens above it, and halfway leaves the most room for the trainer's numerics.
+    (`scaled`: logits / T, the trainer's units; `excluded` [B, V] bool: what the filters set to -inf); -inf
+    for a row that excludes nothing or is greedy. What a sampler returns per token for the trainer to
+    renormalise by: the kept set is the tokens above it, and halfway leaves the most room for the trainer's numerics.
 
-    Example: scaled [[2, 0, 1]], filtered [[2, -inf, 1]], top_k [2] -> [0.5]
+    Example: scaled [[2, 0, 1]], excluded [[F, T, F]], top_k [2] -> [0.5]
     """
-    excluded = filtered == float("-inf")  # [B, V]
-    kept_min = filtered.masked_fill(excluded, float("inf")).amin(-1)  # [B]
+    kept_min = scaled.masked_fill(excluded, float("inf")).amin(-1)  # [B]
     excluded_max = scaled.masked_fill(~excluded, float("-inf")).amax(-1)  # [B], -inf when all kept
-    filters = (t.top_k < filtered.shape[-1]) | (t.top_p < 1.0) | (t.min_p > 0.0)  # [B]
+    filters = (t.top_k < scaled.shape[-1]) | (t.top_p < 1.0) | (t.min_p > 0.0)  # [B]
     return torch.where(filters & ~greedy & (excluded_max > float("-inf")), (kept_min + excluded_max) / 2, float("-inf"))

@@ -51,6 +51,12 @@ def _gumbel(bits, FAST: tl.constexpr):
     return -0.6931471805599453 * _lg2_approx(e)
 
 
+@triton.jit
+def _inv_temperature(temp):
+    # 1 / T; 1 for a greedy row (T = 0)
+    return tl.where(temp == 0.0, 1.0, 1.0 / tl.where(temp == 0.0, 1.0, temp))
+
+
 # the kernels' FAST_LOG: lg2.approx on a GPU, tl.log under triton's interpreter (TRITON_INTERPRET=1, which
 # triton itself reads when this module's kernels are defined, so it is read here once too)
 FAST_LOG = os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -61,21 +67,23 @@ def _sample_chunk_kernel(
     logits_ptr, temps_ptr, keys_ptr, max_ptr, sum_ptr, score_ptr, index_ptr, logit_ptr,
     stride_b, V, S, CHUNK: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
-    # program (row, chunk) over CHUNK vocab entries: the max and the sum of exp of the tempered logits,
-    # and the argmax of tempered logit + Gumbel noise (Gumbel-max; greedy rows get no noise) with that
-    # logit. Many chunks per row keep every SM busy; the hash runs in 32-bit integers.
+    # program (row, chunk) over CHUNK vocab entries: the max m of the raw logits, the sum of exp of the
+    # tempered logits z = (x - m) / T, and the argmax of z + Gumbel noise (Gumbel-max; greedy rows get no
+    # noise) with its z. m comes off before the temperature: logits of ~60 at T = 1e-4 are ~6e5 tempered,
+    # where float32's spacing (1/16) put logprobs off by 3e-2. Many chunks per row keep every SM busy; the
+    # hash runs in 32-bit integers.
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
-    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    inv_temp = _inv_temperature(temp)
     key = tl.load(keys_ptr + row).to(tl.uint32)
     first = chunk * CHUNK
     run_max = tl.full([TILE], float("-inf"), tl.float32)
     for start in range(0, CHUNK, TILE):  # pass 1, the max (the chunk stays in cache for pass 2)
         v = first + start + tl.arange(0, TILE)
-        z = tl.load(logits_ptr + row * stride_b + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temp
-        run_max = tl.maximum(run_max, z)
+        x = tl.load(logits_ptr + row * stride_b + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        run_max = tl.maximum(run_max, x)
     chunk_max = tl.max(run_max, 0)
     shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
     run_sum = tl.zeros([TILE], tl.float32)
@@ -86,8 +94,8 @@ def _sample_chunk_kernel(
     for start in range(0, CHUNK, TILE):  # pass 2
         v = first + start + tl.arange(0, TILE)
         valid = v < V
-        z = tl.load(logits_ptr + row * stride_b + v, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
-        run_sum += tl.where(valid, tl.exp(z - shift), 0.0)
+        z = (tl.load(logits_ptr + row * stride_b + v, mask=valid, other=float("-inf")).to(tl.float32) - shift) * inv_temp
+        run_sum += tl.where(valid, tl.exp(z), 0.0)
         noise = tl.where(greedy, 0.0, _gumbel(mix32((key + v.to(tl.uint32) * 0x9E3779B9) & 0xFFFFFFFF), FAST_LOG))
         score = tl.where(valid, z + noise, float("-inf"))
         better = score > best_score
@@ -106,21 +114,25 @@ def _sample_chunk_kernel(
 
 
 @triton.jit
-def _sample_combine_kernel(max_ptr, sum_ptr, score_ptr, index_ptr, logit_ptr, tokens_ptr, logprobs_ptr, V, S, SP: tl.constexpr):
-    # one program per row over its S chunks: logsumexp of the tempered logits, and the best chunk's token
+def _sample_combine_kernel(temps_ptr, max_ptr, sum_ptr, score_ptr, index_ptr, logit_ptr, tokens_ptr, logprobs_ptr, V, S, SP: tl.constexpr):
+    # one program per row over its S chunks: logsumexp of the tempered logits less the row's max, and the
+    # best chunk's token. A chunk's sums, scores and logits are relative to its own max: each is moved by
+    # (chunk max - row max) / T (0 for the chunk holding the row's max: a greedy row's scores stay exact)
     row = tl.program_id(0)
+    inv_temp = _inv_temperature(tl.load(temps_ptr + row))
     c = tl.arange(0, SP)
     valid = c < S
     at = row * S + c
     maxes = tl.load(max_ptr + at, mask=valid, other=float("-inf"))
     row_max = tl.max(maxes, 0)
+    offsets = tl.where(maxes == float("-inf"), float("-inf"), (maxes - row_max) * inv_temp)
     sums = tl.load(sum_ptr + at, mask=valid, other=0.0)
-    lse = row_max + tl.log(tl.sum(sums * tl.exp(tl.where(maxes == float("-inf"), float("-inf"), maxes - row_max)), 0))
-    scores = tl.load(score_ptr + at, mask=valid, other=float("-inf"))
+    lse = tl.log(tl.sum(sums * tl.exp(offsets), 0))
+    scores = tl.load(score_ptr + at, mask=valid, other=float("-inf")) + offsets
     indices = tl.load(index_ptr + at, mask=valid, other=V)
     top = tl.max(scores, 0)
     index = tl.min(tl.where(valid & (scores == top), indices, V), 0)  # the lowest index among equal scores
-    logit = tl.max(tl.where(valid & (indices == index), tl.load(logit_ptr + at, mask=valid, other=float("-inf")), float("-inf")), 0)
+    logit = tl.max(tl.where(valid & (indices == index), tl.load(logit_ptr + at, mask=valid, other=float("-inf")) + offsets, float("-inf")), 0)
     tl.store(tokens_ptr + row, index.to(tl.int64))
     tl.store(logprobs_ptr + row, logit - lse)
 
@@ -140,7 +152,7 @@ def sample_unfiltered(logits: Tensor, temperatures: Tensor, keys: Tensor, chunk:
         logits.stride(0), vocab_size, chunks, CHUNK=chunk, TILE=tile, FAST_LOG=FAST_LOG, num_warps=4,
     )  # fmt: skip
     _sample_combine_kernel[(batch,)](
-        parts[0], parts[1], parts[2], indices, parts[3], tokens, logprobs, vocab_size, chunks, SP=max(16, triton.next_power_of_2(chunks)),
+        temperatures, parts[0], parts[1], parts[2], indices, parts[3], tokens, logprobs, vocab_size, chunks, SP=max(16, triton.next_power_of_2(chunks)),
     )  # fmt: skip
     return tokens, logprobs
 
@@ -176,7 +188,7 @@ def _row_start(temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row_ptr, row, V, SHIF
     # pass 1: the largest and smallest logits, and their keys (int64: a bisection's midpoint never overflows)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
-    inv_temp = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    inv_temp = _inv_temperature(temp)
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))

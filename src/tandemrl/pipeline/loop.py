@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import torch
@@ -288,7 +289,7 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     parts.progress.phase("train")
     offload = parts.trainer.offload
     if settings.sleep_level:
-        await parts.generator.sleep(settings.sleep_level)
+        await _or_stop(parts.generator.sleep(settings.sleep_level), f"putting the generator to sleep (level {settings.sleep_level})")
     await asyncio.to_thread(offload.to_device)
     version = parts.trainer.policy_version
     train_metrics = await asyncio.to_thread(parts.trainer.train_step, batch) if batch.groups else {}
@@ -296,7 +297,7 @@ async def _train_and_publish(parts: LoopParts, settings: LoopSettings, batch: Ba
     t1 = time.perf_counter()
     peaks["memory/training_peak_gib"] = phase_peak_gib(device)
     if settings.sleep_level:
-        await parts.generator.wake()
+        await _or_stop(parts.generator.wake(), "waking the generator")
     parts.progress.phase("sync")
     unchanged = parts.trainer.policy_version == version  # every group dropped, or the step skipped: nothing new to push
     pushed = 0
@@ -333,6 +334,15 @@ def memory_line(metrics: dict[str, float], planned: dict[str, float]) -> str | N
         if measured is not None and plan > 0:
             parts.append(f"{phase} peak {measured:.1f} GiB, plan {plan:.1f} ({100 * (measured / plan - 1):+.0f}%)")
     return "memory: " + "; ".join(parts) if parts else None
+
+
+async def _or_stop(call: Awaitable[None], what: str) -> None:
+    """Awaits a generator's sleep or wake, or raises RunStopped saying why (e.g. a rollout server's 504: its
+    running requests did not end within its --drain_timeout_s)."""
+    try:
+        await call
+    except (RuntimeError, OSError) as error:  # a server that answered an error, or cannot be reached
+        raise RunStopped(f"{what} failed: {error}") from error
 
 
 async def publish_policy(parts: LoopParts, *, changed_only: bool = False) -> int:

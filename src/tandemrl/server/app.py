@@ -27,6 +27,7 @@ from tandemrl.server import batch, openai
 from tandemrl.server.hangup import disconnected, until_done_or_disconnect
 from tandemrl.server.metrics import CONTENT_TYPE
 from tandemrl.server.prompts import Prompter
+from tandemrl.server.gate import Undrained
 from tandemrl.server.service import Busy, JoinInProgress, RolloutService
 from tandemrl.server.wire import (
     AbortRequest,
@@ -144,9 +145,12 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
 def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:
     """Sleep/wake and the weight-sync routes the trainer drives."""
 
-    @app.post("/sleep", summary="Finish running requests, then free the KV cache (1) and weights (2)")
+    @app.post("/sleep", summary="Finish running requests, then free the KV cache (1) and weights (2); 504 (still awake) if they run past --drain_timeout_s")
     async def sleep(body: SleepRequest) -> dict[str, bool]:
-        await service.sleep(body.level)
+        try:
+            await service.sleep(body.level)
+        except Undrained as error:
+            raise HTTPException(504, str(error)) from None
         return {"asleep": True}
 
     @app.post("/wake", summary="Re-allocate what sleep freed and admit requests again (after level 2: 503 until a weight update)")

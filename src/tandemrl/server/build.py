@@ -64,6 +64,7 @@ def build_server(
         max_model_len=max_model_len,
         max_pending_requests=config.max_pending_requests,
         result_ttl_s=config.result_ttl_s,
+        drain_timeout_s=config.drain_timeout_s,
         receiver=WeightReceiver(device),
         device_uuid=ipc.device_uuid(device),
     )

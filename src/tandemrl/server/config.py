@@ -33,6 +33,9 @@ class RolloutServerConfig:
     """Requests queued or running at once; more get 503 (retry later)."""
     result_ttl_s: float = 600.0
     """Seconds an uncollected async result is kept."""
+    drain_timeout_s: float = 300.0
+    """Longest wait of /sleep and of a drain-mode weight update for the running requests to end; past it
+    the server admits again, stays awake at its version, and answers 504 naming how many still ran."""
     max_request_bytes: int = 32 * 2**20
     """Largest request body accepted; a larger one is answered 413 before it is read whole."""
     max_lora_rank: int = 0
@@ -45,6 +48,8 @@ class RolloutServerConfig:
     variables together (and each rendered chat); more is a 400, before any prompt is tokenized."""
 
     def __post_init__(self) -> None:
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"--drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.max_lora_rank < 0:
             raise ValueError(f"--max_lora_rank must be >= 0, got {self.max_lora_rank}")
         if self.max_lora_rank and self.backend != "engine":

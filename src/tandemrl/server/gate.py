@@ -1,7 +1,8 @@
 """Admission to the rollout server's generator: a gate that weight updates and sleep close, and the
 503 answer of a full queue.
 
-Invariant: nothing passes the gate while any holder keeps it closed; `close()` returns once nothing runs.
+Invariants: nothing passes the gate while any holder keeps it closed; `close()` returns once nothing runs,
+or reopens (for this holder) and raises Undrained once its deadline passes with requests still running.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from collections.abc import AsyncIterator
 
 class Busy(Exception):
     """Too many requests pending: answered 503, the client retries later."""
+
+
+class Undrained(TimeoutError):
+    """Requests still ran when a drain's deadline passed; the gate reopened for its closer. Answered 504."""
 
 
 class Gate:
@@ -44,11 +49,19 @@ class Gate:
             if self.num_running == 0:
                 self._idle.set()
 
-    async def close(self) -> None:
-        """Stops admitting and waits until nothing runs."""
+    async def close(self, timeout_s: float) -> None:
+        """Stops admitting and waits until nothing runs. Past `timeout_s` (or cancelled) it reopens for this
+        closer, so the requests held meanwhile are admitted, and raises Undrained (or CancelledError)."""
         self._closers += 1
         self._open.clear()
-        await self._idle.wait()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except BaseException as error:
+            self.reopen()
+            if isinstance(error, TimeoutError):
+                raise Undrained(f"{self.num_running} request(s) still running after {timeout_s:g} s (--drain_timeout_s)") from None
+            raise
 
     def reopen(self) -> None:
         self._closers -= 1

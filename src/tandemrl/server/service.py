@@ -1,7 +1,8 @@
 """The rollout server's logic, apart from HTTP: admission, async requests by id, versioned weight
 updates, sleep/wake, readiness and metrics, over any Generator.
 
-Invariants: no request reaches the generator while a drain-mode update or sleep holds the gate; a
+Invariants: no request reaches the generator while a drain-mode update or sleep holds the gate, and
+neither holds it past drain_timeout_s (then it reopens: the update is refused, the server stays awake); a
 weight update is received whole into staging before one `update_weights` call makes it live; a failed
 sync keeps the previous version and the server keeps serving; a receive ends within the group's
 timeout (sooner when the trainer hangs up), even when its thread is stuck in a collective; one
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from tandemrl.generation.base import LocalGenerator
-from tandemrl.server.gate import Busy, Gate
+from tandemrl.server.gate import Busy, Gate, Undrained
 from tandemrl.server.metrics import ServerMetrics
 from tandemrl.server.wire import Result, per_sample
 from tandemrl.types import Completion, SamplingParams
@@ -75,12 +76,13 @@ class Counters:
 
 
 class RolloutService:
-    def __init__(self, generator: LocalGenerator, *, model_name: str, max_model_len: int, max_pending_requests: int, result_ttl_s: float, receiver: WeightReceiver | None, device_uuid: str | None):
+    def __init__(self, generator: LocalGenerator, *, model_name: str, max_model_len: int, max_pending_requests: int, result_ttl_s: float, drain_timeout_s: float, receiver: WeightReceiver | None, device_uuid: str | None):
         self.generator = generator
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_pending_requests = max_pending_requests
         self.result_ttl_s = result_ttl_s
+        self.drain_timeout_s = drain_timeout_s
         self.receiver = receiver
         self.device_uuid = device_uuid
         self.gate = Gate()
@@ -310,7 +312,7 @@ class RolloutService:
                 try:
                     _check_finite(staging)
                     await self._apply(staging, version=version, mode=mode)
-                except ValueError as error:  # inf or NaN, or a tensor not of this model's (name, shape): checked before any copy
+                except (ValueError, Undrained) as error:  # inf or NaN, a tensor not of this model's (name, shape), checked before any copy; or a drain past its deadline
                     self.counters.weight_syncs["failed"] += 1
                     log.error("weight update to version %d refused (%s); keeping version %d and serving", version, error, self.generator.version)
                     raise
@@ -356,7 +358,10 @@ class RolloutService:
         if mode == "pause":  # the generator freezes its running requests between decode steps
             await self.generator.update_weights(staging, version=version)
             return
-        await self.gate.close()
+        try:
+            await self.gate.close(self.drain_timeout_s)
+        except Undrained as error:
+            raise Undrained(f"a drain-mode update waits for the running requests: {error}; --update_mode pause updates while they run") from None
         try:
             await self.generator.update_weights(staging, version=version)
         finally:
@@ -368,7 +373,10 @@ class RolloutService:
         async with self._update_lock:
             if self.asleep:
                 return
-            await self.gate.close()
+            try:
+                await self.gate.close(self.drain_timeout_s)
+            except Undrained as error:
+                raise Undrained(f"not asleep: {error}; the server stays awake and serving: sleep once they end, or raise --drain_timeout_s") from None
             self.asleep = True
             await self.generator.sleep(level)
 

@@ -26,6 +26,7 @@ from rollout_helpers import (
 
 from tandemrl.generation.base import RemoteConfig
 from tandemrl.generation.remote import RolloutClient
+from tandemrl.generation.remote.batch import ServerError
 
 
 def test_kill_server_mid_request_raises_within_timeout_then_restart_reconnects_and_full_sync_restores_version(tiny_model_dir, tiny_tokenizer):
@@ -309,3 +310,40 @@ def test_a_blocking_generate_with_more_samples_than_free_slots_is_a_503_before_a
     after = small_server.metrics()
     assert after["tandem_generated_tokens_total"] == before["tandem_generated_tokens_total"]  # no generation ran
     assert small_server.post("/generate", {"prompt": "many", "max_tokens": 2, "n": 4}).status_code == 200
+
+
+def test_sleep_and_a_drain_update_give_up_at_drain_timeout_s_with_a_504_and_the_server_serves_on_awake_at_its_version(tiny_model_dir):
+    """/sleep and a drain-mode update waited for every running request with no deadline of their own (a request
+    that never ended held them, and the trainer's push, for good; no flag on main): each now answers 504 after
+    --drain_timeout_s naming how many still ran, and the server serves on, awake, at its version."""
+    server = start_server(tiny_model_dir, "--drain_timeout_s", "0.3")
+    client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=60))
+    busy = {"prompt": "go", "n": 48, "is_async": True, "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+
+    def start_busy() -> list[str]:  # hf on CPU: a few seconds of work
+        ids = server.post("/generate", busy).json()["request_ids"]
+        while server.get("/ready").json()["num_running"] == 0:
+            time.sleep(0.01)
+        return ids
+
+    try:
+        model = trainer_model(tiny_model_dir, 4)
+        push(client, model.named_parameters(), version=1, config=sync("drain"))  # the group formed: the next push is one round trip
+        ids = start_busy()
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=r"answered 504: not asleep: \d+ request\(s\) still running after 0.3 s \(--drain_timeout_s\)") as refused:
+            client.post_all("/sleep", {"level": 1})
+        assert time.monotonic() - started < 3 and "\n" not in str(refused.value)
+        assert not server.get("/ready").json()["asleep"]
+        ids += start_busy()
+        with pytest.raises(RuntimeError, match=r"weight sync of version 2 .* answered 504: .* still running after 0.3 s \(--drain_timeout_s\).*; kept version 1$"):
+            push(client, model.named_parameters(), version=2, config=sync("drain"))
+        results = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()
+        assert results["pending"] == [] and {r["finish_reason"] for r in results["results"]} == {"length"}  # nothing lost
+        assert all(set(r["policy_versions"]) == {1} for r in results["results"])
+        push(client, model.named_parameters(), version=2, config=sync("drain"))  # nothing runs now: both go through
+        assert server.post("/sleep", {"level": 1}).json() == {"asleep": True} and server.post("/wake", {}).json() == {"asleep": False}
+        assert client.readiness()[0]["policy_version"] == 2
+    finally:
+        client.close()
+        server.stop()

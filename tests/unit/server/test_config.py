@@ -33,3 +33,9 @@ def test_max_lora_rank_is_the_engines_and_not_negative():
         RolloutServerConfig(max_lora_rank=16, backend="hf")
     with pytest.raises(ValueError, match="--max_lora_rank must be >= 0"):
         RolloutServerConfig(max_lora_rank=-1)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_drain_timeout_s_is_positive(value):
+    with pytest.raises(ValueError, match="--drain_timeout_s must be > 0"):
+        RolloutServerConfig(drain_timeout_s=value)

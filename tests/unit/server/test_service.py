@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from tandemrl.server.gate import Undrained
 from tandemrl.server.service import Busy, RolloutService
 from tandemrl.types import Completion, SamplingParams
 from tandemrl.weights import channel
@@ -91,9 +92,12 @@ class StuckReceiver(FakeReceiver):
         return self.stalled_for + time.monotonic() - self.start
 
 
-def make(log, receiver=None, max_pending=100):
+def make(log, receiver=None, max_pending=100, drain_timeout_s=30.0):
     gen = ScriptedGenerator(log)
-    service = RolloutService(gen, model_name="m", max_model_len=8, max_pending_requests=max_pending, result_ttl_s=60, receiver=receiver or FakeReceiver(), device_uuid=None)
+    service = RolloutService(
+        gen, model_name="m", max_model_len=8, max_pending_requests=max_pending, result_ttl_s=60, drain_timeout_s=drain_timeout_s,
+        receiver=receiver or FakeReceiver(), device_uuid=None,
+    )  # fmt: skip
     return gen, service
 
 
@@ -121,6 +125,55 @@ def test_drain_waits_for_running_requests_and_holds_new_ones_until_after_the_upd
         return log
 
     assert asyncio.run(scenario()) == ["start r1", "end r1", "update ['w'] -> 1", "start r2", "end r2"]
+
+
+def test_a_drain_past_its_deadline_reopens_the_gate_keeps_the_version_and_says_how_many_still_ran():
+    """/sleep and a drain-mode update waited for a request that never ends with no deadline (failed on main:
+    no deadline to give); now each gives up after drain_timeout_s, admits what it held, and changes nothing."""
+
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log, drain_timeout_s=0.2)
+        stuck = asyncio.create_task(service.generate([1], PARAMS))  # never released: a generation that never ends
+        await until(lambda: "start r1" in log)
+        for drain in (lambda: service.update_weights(version=1, mode="drain"), lambda: service.sleep(1)):
+            started = time.monotonic()
+            attempt = asyncio.create_task(drain())
+            await until(lambda: service.gate._closers == 1)
+            held = asyncio.create_task(service.generate([2], PARAMS))
+            with pytest.raises(Undrained, match=r"1 request\(s\) still running after 0.2 s \(--drain_timeout_s\)"):
+                await asyncio.wait_for(attempt, 5)
+            assert time.monotonic() - started < 1.0 and service.gate._closers == 0
+            await until(lambda: "start r2" in log)  # held at the gate meanwhile, admitted now
+            gen.release["r2"].set()
+            await held
+            log.remove("start r2"), log.remove("end r2")
+        assert gen.version == 0 and not service.asleep and service.counters.weight_syncs == {"ok": 0, "failed": 1}
+        assert log == ["start r1"]  # nothing reached the generator's update or sleep
+        gen.release["r1"].set()
+        await stuck
+        await service.sleep(1)  # nothing runs now: it sleeps
+        assert service.asleep
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_drain_reopens_the_gate():
+    async def scenario():
+        gen, service = make([])
+        stuck = asyncio.create_task(service.generate([1], PARAMS))
+        await until(lambda: "r1" in gen.release)
+        closing = asyncio.create_task(service.gate.close(30))  # e.g. a weight update given up mid-drain
+        await until(lambda: service.gate._closers == 1)
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        admitted = asyncio.create_task(service.generate([2], PARAMS))
+        await asyncio.wait_for(until(lambda: "r2" in gen.release), 1)  # the gate stayed closed for good (on main)
+        for event in gen.release.values():
+            event.set()
+        await asyncio.gather(stuck, admitted)
+
+    asyncio.run(scenario())
 
 
 def test_pause_updates_while_requests_run():

@@ -42,10 +42,14 @@ class JudgeConfig:
     """File with the judge's prompt, {prompt} and {completion} in it (default: a 0-10 rating, 'Score: N')."""
     reward_model_max_tokens: int = 32
     """Tokens the judge may write before its score."""
+    reward_model_max_concurrency: int = 256
+    """Judge requests in flight at once (the rest wait their turn); at most the judge server's --max_pending_requests, which refuses more."""
 
     def __post_init__(self) -> None:
         if self.reward_model_url and not self.reward_model:
             raise ValueError("--reward_model_url needs --reward_model too (its tokenizer renders the judge's prompt)")
+        if self.reward_model_max_concurrency < 1:
+            raise ValueError(f"--reward_model_max_concurrency must be >= 1, got {self.reward_model_max_concurrency}")
 
     @property
     def enabled(self) -> bool:
@@ -66,6 +70,26 @@ def as_text(value: str | list[Message]) -> str:
     if isinstance(value, str):
         return value
     return "\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in value)
+
+
+class Bounded:
+    """`generator` with at most `limit` generate calls in flight, the rest waiting their turn: a judge server
+    answers a batch past its --max_pending_requests with 503 (nothing started) and a step's every completion
+    at once was such a batch. Any other attribute is the generator's."""
+
+    def __init__(self, generator: Any, limit: int):
+        self.generator, self.limit = generator, limit
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:  # a semaphore serves one event loop
+            self._slots = (loop, asyncio.Semaphore(self.limit))
+        async with self._slots[1]:
+            return await self.generator.generate(prompt_ids, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.generator, name)
 
 
 class GenerativeJudge:
@@ -100,7 +124,9 @@ class GenerativeJudge:
 
 
 def build_judge(config: JudgeConfig, *, generator: Any, tokenizer: Any) -> Any:
-    """The judge as a reward function: the plugin's class when given, else GenerativeJudge."""
+    """The judge as a reward function: the plugin's class when given, else GenerativeJudge; either calls the
+    generator at most --reward_model_max_concurrency times at once."""
+    generator = None if generator is None else Bounded(generator, config.reward_model_max_concurrency)  # a plugin may need none
     if config.reward_model_plugin:
         cls = load_object(config.reward_model_plugin, what="reward model plugin")
         return cls(generator=generator, tokenizer=tokenizer)

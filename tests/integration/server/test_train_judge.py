@@ -33,10 +33,40 @@ def test_judge_in_process(tmp_path, tiny_model_dir):
 
 
 def test_judge_on_a_rollout_server(tmp_path, tiny_model_dir):
-    server = start_server(tiny_model_dir, "--max_model_len", "512", backend="engine")
+    """Its queue (2) is smaller than a step's 8 completions: --reward_model_max_concurrency 2 sends them 2 at a time."""
+    server = start_server(tiny_model_dir, "--max_model_len", "512", "--max_pending_requests", "2", backend="engine")
     try:
-        check(*train(tmp_path, "--reward_model", tiny_model_dir, "--reward_model_url", server.url))
+        rows, stderr = train(tmp_path, "--reward_model", tiny_model_dir, "--reward_model_url", server.url, "--reward_model_max_concurrency", "2")
+        check(rows, stderr)
+        assert "reward model failed" not in stderr and "busy" not in stderr
         generated = next(line for line in server.get("/metrics").text.splitlines() if line.startswith("tandem_generated_tokens_total"))
         assert float(generated.split()[1]) > 0  # the judge's replies came from the server
     finally:
         server.stop()
+
+
+def test_a_judge_server_whose_queue_is_smaller_than_a_step_scores_every_completion(tiny_model_dir, tiny_tokenizer, caplog):
+    """A `tandem rollout` judge taking 2 requests at once, 8 completions: at most 2 in flight, every one judged
+    (the server finishes 8 requests, no reward model failure). On main all 8 went at once: the server answered
+    503 to the whole batch, the client gave up after its retries and every reward was a logged None."""
+    import asyncio
+    import logging
+
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RemoteGenerator
+    from tandemrl.rewards.base import RewardFunc, score
+    from tandemrl.rewards.judge import JudgeConfig, build_judge
+
+    server = start_server(tiny_model_dir, "--max_model_len", "512", "--max_pending_requests", "2")
+    generator = RemoteGenerator(RemoteConfig(urls=(server.url,)))
+    config = JudgeConfig(reward_model=tiny_model_dir, reward_model_url=server.url, reward_model_max_tokens=4, reward_model_max_concurrency=2)
+    judge = build_judge(config, generator=generator, tokenizer=tiny_tokenizer)
+    try:
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(score([RewardFunc(name="reward_model", fn=judge)], None, ["p"] * 8, [f"c{i}" for i in range(8)], {}, timeout_s=60))
+        finished = sum(v for k, v in server.metrics().items() if k.startswith("tandem_requests_total"))
+    finally:
+        asyncio.run(generator.close())
+        server.stop()
+    assert "reward model failed" not in caplog.text and "busy" not in caplog.text, caplog.text[-2000:]
+    assert finished == 8

@@ -60,6 +60,27 @@ def test_plugin_class_is_built_with_the_generator_and_tokenizer(tmp_path, tiny_t
     assert asyncio.run(judge(["p"], ["c"])) == [1.0]
 
 
+def test_the_judge_has_at_most_max_concurrency_requests_in_flight(tiny_tokenizer):
+    """A plugin's too: the bound is the generator's that build_judge hands over."""
+
+    class Peak(Replies):
+        in_flight = peak = 0
+
+        async def generate(self, prompt_ids, params):
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            await asyncio.sleep(0.01)
+            self.in_flight -= 1
+            return await super().generate(prompt_ids, params)
+
+    generator = Peak(tiny_tokenizer, "Score: 5")
+    judge = build_judge(JudgeConfig(reward_model="m", reward_model_max_concurrency=3), generator=generator, tokenizer=tiny_tokenizer)
+    assert asyncio.run(judge(["p"] * 10, ["c"] * 10)) == [0.5] * 10
+    assert generator.peak == 3
+    with pytest.raises(ValueError, match="--reward_model_max_concurrency must be >= 1, got 0"):
+        JudgeConfig(reward_model_max_concurrency=0)
+
+
 def test_template_file_needs_both_fields(tmp_path):
     (tmp_path / "t.txt").write_text("rate {completion}")
     with pytest.raises(ValueError, match="write {prompt} and {completion}"):

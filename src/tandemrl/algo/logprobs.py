@@ -3,7 +3,8 @@
 Legend: N tokens, H hidden size, V vocab, C chunk size.
 Invariant: at most C x V logits exist at a time, in forward and in backward. The head is one autograd
 function (linear + log-softmax + gather, the Liger / "cut cross-entropy" trade of compute for memory):
-forward keeps only its inputs and each row's log-sum-exp; backward recomputes a chunk's logits, turns
+forward keeps only its inputs and each row's max and log-sum-exp (of the logits less that max, tempered:
+`_tempered`, precise at low temperatures); backward recomputes a chunk's logits, turns
 them into the gradient of the logits, and multiplies it into the gradients of the hidden states and of
 the head's weight. Matmuls run in the weight's dtype (bf16 on the GPU path); logits, softmax and the
 weight's gradient accumulate in float32. On CUDA with --triton_logprobs, a chunk's row statistics and its
@@ -94,10 +95,19 @@ def truncated(logits: Tensor, floors: Tensor | None, target_ids: Tensor, tempera
 
 def _logits(
     hidden: Tensor, weight: Tensor, temperature: float, floors: Tensor | None = None, target_ids: Tensor | None = None, top_k: int = 0,
-) -> Tensor:
-    """hidden [C, H] @ weight [V, H]^T / T, float32 [C, V], truncated at `floors` (or its own top_k) when given."""
-    logits = truncated(_mm_f32(hidden, weight.t()), floors, target_ids, temperature, top_k)  # [C, V]
-    return logits / temperature if temperature != 1.0 else logits
+    row_max: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`_tempered` of hidden [C, H] @ weight [V, H]^T (float32 [C, V]), truncated at `floors` (or its own top_k) when given."""
+    return _tempered(truncated(_mm_f32(hidden, weight.t()), floors, target_ids, temperature, top_k), temperature, row_max)
+
+
+def _tempered(logits: Tensor, temperature: float, row_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """((logits - row_max) / T, row_max [C]) of a chunk's fresh float32 logits [C, V], in place; row_max: each
+    row's max unless given (backward: the forward's). The max comes off before the temperature, as the
+    sampler's: logits of ~60 at T = 1e-4 are ~6e5 tempered, where float32's spacing (1/16) put logprobs 3e-2 off."""
+    row_max = logits.amax(-1) if row_max is None else row_max
+    logits = logits.sub_(row_max[:, None])
+    return (logits.div_(temperature) if temperature != 1.0 else logits), row_max
 
 
 @functools.cache
@@ -186,11 +196,12 @@ def _capped(rows: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tenso
 
 
 def _chunk_stats(hidden: Tensor, softcap: float = 0.0, top_k: int = 0):
-    """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy, floors [C] | None) -> (lse, logprobs, entropy) [C]."""
+    """fn(hidden [C, H], weight [V, H], target_ids [C], temperature, with_entropy, floors [C] | None) -> (lse, logprobs,
+    entropy, row_max) [C]: lse of the tempered logits less the row's max (`_tempered`), and that max (raw)."""
     if softcap:  # the capped logits, then the torch path's statistics
         def capped(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
-            logits = truncated(_capped(rows, weight, softcap)[0], floors, target_ids, temperature, top_k)
-            return _row_stats(logits / temperature if temperature != 1.0 else logits, target_ids, with_entropy)
+            logits, row_max = _tempered(truncated(_capped(rows, weight, softcap)[0], floors, target_ids, temperature, top_k), temperature)
+            return *_row_stats(logits, target_ids, with_entropy), row_max
 
         return capped
     if _use_triton(hidden):
@@ -203,35 +214,37 @@ def _chunk_stats(hidden: Tensor, softcap: float = 0.0, top_k: int = 0):
     stats = _maybe_compiled(_row_stats, hidden)
 
     def torch_path(rows: Tensor, weight: Tensor, target_ids: Tensor, temperature: float, with_entropy: bool, floors: Tensor | None):
-        return stats(_logits(rows, weight, temperature, floors, target_ids, top_k), target_ids, with_entropy)
+        logits, row_max = _logits(rows, weight, temperature, floors, target_ids, top_k)
+        return *stats(logits, target_ids, with_entropy), row_max
 
     return torch_path
 
 
 def _chunk_logits_grad(hidden: Tensor, softcap: float = 0.0, top_k: int = 0):
-    """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature, floors) ->
+    """fn(hidden [C, H], weight [V, H], lse, target_ids, grad, entropy, grad_entropy [C], temperature, floors, row_max) ->
     the gradient of the chunk's raw logits [C, V] in the weight's dtype (see `_logits_grad`; an excluded
-    token's is 0, as its probability)."""
+    token's is 0, as its probability). lse and row_max: `_chunk_stats`'."""
     if softcap:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh^2
-        def capped(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
+        def capped(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None, row_max: Tensor) -> Tensor:
             logits, squashed = _capped(rows, weight, softcap)
-            logits = truncated(logits, floors, target_ids, temperature, top_k)
-            grad = _logits_grad(logits / temperature if temperature != 1.0 else logits, lse, target_ids, *per_row, temperature, torch.float32)
+            logits, _ = _tempered(truncated(logits, floors, target_ids, temperature, top_k), temperature, row_max)
+            grad = _logits_grad(logits, lse, target_ids, *per_row, temperature, torch.float32)
             return (grad * (1 - squashed * squashed)).to(weight.dtype)
 
         return capped
     if _use_triton(hidden):
         from tandemrl.algo.logprobs_kernel import logits_grad
 
-        def kernel(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
+        def kernel(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None, row_max: Tensor) -> Tensor:
             logits = truncated(_mm_f32(rows, weight.t()), floors, target_ids, temperature, top_k)
-            return logits_grad(logits, lse, target_ids, *per_row, temperature, weight.dtype)
+            return logits_grad(logits, row_max, lse, target_ids, *per_row, temperature, weight.dtype)
 
         return kernel
     grad_fn = _maybe_compiled(_logits_grad, hidden)
 
-    def torch_path(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None) -> Tensor:
-        return grad_fn(_logits(rows, weight, temperature, floors, target_ids, top_k), lse, target_ids, *per_row, temperature, weight.dtype)
+    def torch_path(rows: Tensor, weight: Tensor, lse: Tensor, target_ids: Tensor, *per_row: Tensor, temperature: float, floors: Tensor | None, row_max: Tensor) -> Tensor:
+        logits, _ = _logits(rows, weight, temperature, floors, target_ids, top_k, row_max)
+        return grad_fn(logits, lse, target_ids, *per_row, temperature, weight.dtype)
 
     return torch_path
 
@@ -241,13 +254,13 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target_ids, temperature, chunk_size, with_entropy, softcap=0.0, floors=None, top_k=0):  # noqa: ANN001
-        logprobs, entropy, lse = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+        logprobs, entropy, lse, row_max = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(4))
         stats = _chunk_stats(hidden, softcap, top_k)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             chunk_floors = None if floors is None else floors[rows]
-            lse[rows], logprobs[rows], entropy[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy, chunk_floors)
-        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy, floors)
+            lse[rows], logprobs[rows], entropy[rows], row_max[rows] = stats(hidden[rows], weight, target_ids[rows], temperature, with_entropy, chunk_floors)
+        ctx.save_for_backward(hidden, weight, target_ids, lse, entropy, floors, row_max)
         ctx.temperature, ctx.chunk_size, ctx.softcap, ctx.top_k = temperature, chunk_size, softcap, top_k
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -255,7 +268,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
-        hidden, weight, target_ids, lse, entropy, floors = ctx.saved_tensors
+        hidden, weight, target_ids, lse, entropy, floors, row_max = ctx.saved_tensors
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
         if grad_entropy is None:
@@ -267,7 +280,7 @@ class _LinearLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             grad = logits_grad(
                 hidden[rows], weight, lse[rows], target_ids[rows], grad_logprobs[rows].float(), entropy[rows],
-                grad_entropy[rows].float(), temperature=ctx.temperature, floors=None if floors is None else floors[rows],
+                grad_entropy[rows].float(), temperature=ctx.temperature, floors=None if floors is None else floors[rows], row_max=row_max[rows],
             )  # [C, V] in the weight's dtype
             if grad_hidden is not None:
                 torch.mm(grad, weight, out=grad_hidden[rows])  # [C, H]

@@ -142,9 +142,9 @@ def test_no_logits_are_saved_for_backward_only_inputs():
     hidden, head, target_ids = _case(num_tokens=64, hidden_size=8, vocab=50)
     # the probe sees a plain full-logits computation save [N, V] tensors...
     assert (64, 50) in _saved_shapes(lambda: _plain(hidden, head, target_ids, 1.0))
-    # ...and the fused head save no logits at all (not even a chunk's): its inputs and two floats per row
+    # ...and the fused head save no logits at all (not even a chunk's): its inputs and three floats per row
     shapes = _saved_shapes(lambda: logprobs_and_entropy(hidden, head, target_ids, chunk_size=16))
-    assert sorted(shapes) == sorted([(64, 8), (50, 8), (64,), (64,), (64,)])
+    assert sorted(shapes) == sorted([(64, 8), (50, 8), (64,), (64,), (64,), (64,)])
 
 
 class _Shapes(TorchDispatchMode):
@@ -201,3 +201,39 @@ def test_zero_temperature_is_refused_with_the_reason():
     hidden, head, target_ids = _case()
     with pytest.raises(ValueError, match="temperature must be > 0"):
         logprobs_and_entropy(hidden, head, target_ids, temperature=0.0)
+
+
+def low_temperature_head_matches_float64(temperature: float, device: str = "cpu") -> None:
+    """The head's logprobs, entropy and hidden gradient at `temperature` against float64 autograd, on logits
+    near 60 (a trained model's top logits; 8 tokens within a few temperatures of the top): the head is the
+    identity, so the logits are the hidden states themselves. (A target far below the top has a logprob of
+    ~(x - max) / T, which float32 holds only to its relative precision: the targets are among the top 8.)"""
+    generator = torch.Generator().manual_seed(3)
+    rows, vocab = 16, 64
+    logits = torch.randn(rows, vocab, generator=generator) * 3 + 40
+    logits[:, :8] = 60 + temperature * torch.randn(rows, 8, generator=generator) * 2
+    head = torch.nn.Linear(vocab, vocab, bias=False, device=device)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(vocab))
+    target_ids = torch.randint(8, (rows,), generator=generator)
+    coefficients = torch.linspace(-1, 1, rows)
+    hidden = logits.to(device, copy=True).requires_grad_()
+    logprobs, entropy = logprobs_and_entropy(hidden, head, target_ids.to(device), temperature=temperature, chunk_size=8)
+    ((logprobs + entropy) * coefficients.to(device)).sum().backward()
+    logprobs, entropy, hidden_grad = logprobs.cpu(), entropy.cpu(), hidden.grad.cpu()
+    exact_hidden = logits.double().requires_grad_()
+    exact = (exact_hidden / temperature).log_softmax(-1)
+    exact_logprobs, exact_entropy = exact.gather(-1, target_ids[:, None])[:, 0], -(exact.exp() * exact).sum(-1)
+    ((exact_logprobs + exact_entropy) * coefficients.double()).sum().backward()
+    torch.testing.assert_close(logprobs.double(), exact_logprobs.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), exact_entropy.detach(), atol=1e-5, rtol=0)
+    # the gradient is ~1/T: relative to its largest entry per row
+    scale = exact_hidden.grad.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(hidden_grad.double() / scale, exact_hidden.grad / scale, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1e-2, 0.3])
+def test_logprobs_entropy_and_gradient_at_low_temperatures_match_float64(temperature):
+    # the head divided the logits by T before the row max came off: logits of ~60 at T = 1e-4 are ~6e5
+    # tempered, where float32's spacing (1/16) put logprobs off by ~3e-2 from float64 (and off the sampler's)
+    low_temperature_head_matches_float64(temperature)

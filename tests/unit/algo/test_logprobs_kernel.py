@@ -36,10 +36,11 @@ def test_row_stats_kernel_equals_the_torch_path(temperature):
     logits, target_ids = _logits()
     ours = row_stats(logits, target_ids, temperature, True)
     # against float64: one pass sums E_p[z] more exactly than softmax * logits (entropy = lse - E_p[z] cancels)
-    reference = [x.float() for x in head._row_stats(logits.double() / temperature, target_ids, True)]
+    tempered, row_max = head._tempered(logits.double(), temperature)  # lse of the logits less their max
+    reference = [x.float() for x in (*head._row_stats(tempered, target_ids, True), row_max)]
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    lse, logprobs, entropy = row_stats(logits, target_ids, temperature, False)
+    lse, logprobs, entropy, _ = row_stats(logits, target_ids, temperature, False)
     torch.testing.assert_close(logprobs, reference[1], atol=2e-5, rtol=1e-5)
     assert not entropy.any()
 
@@ -47,11 +48,12 @@ def test_row_stats_kernel_equals_the_torch_path(temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_grad_kernel_equals_the_torch_path(dtype):
     logits, target_ids = _logits()
-    lse, _, entropy = head._row_stats(logits / 0.7, target_ids, True)
+    tempered, row_max = head._tempered(logits.clone(), 0.7)
+    lse, _, entropy = head._row_stats(tempered, target_ids, True)
     generator = torch.Generator().manual_seed(1)
     grad, grad_entropy = (torch.randn(len(lse), generator=generator).to(DEVICE) for _ in range(2))
-    ours = logits_grad(logits, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
-    reference = head._logits_grad(logits / 0.7, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
+    ours = logits_grad(logits, row_max, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
+    reference = head._logits_grad(tempered, lse, target_ids, grad, entropy, grad_entropy, 0.7, dtype)
     assert ours.dtype == dtype
     # float32: where p -> 1 the gradient is grad * (1 - p), and p carries the log-sum-exp's float32 error at
     # logits of ~90 (the H200 gave 2.5e-6 against an exact 0 there): the same 2e-5 as the row statistics.
@@ -85,3 +87,11 @@ def test_head_through_the_kernels_equals_the_torch_head_in_value_and_gradient(mo
         hidden.grad, lm_head.weight.grad = None, None
     for ours, reference in zip(results[1], results[0]):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1e-2, 0.3])
+def test_head_through_the_kernels_at_low_temperatures_matches_float64(monkeypatch, temperature):
+    from tests.unit.algo.test_logprobs import low_temperature_head_matches_float64
+
+    monkeypatch.setattr(head, "_use_triton", lambda tensor: True)
+    low_temperature_head_matches_float64(temperature, DEVICE)

@@ -491,6 +491,7 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
+        # windowed models too: a (re-)admitted sequence prefills its whole context in one step, every block at once
         if self.blocks.num_blocks_for(len(prompt_ids) + params.max_tokens) > self.blocks.num_blocks:
             raise ValueError("the request does not fit in the KV cache; raise --kv_cache_tokens or --gpu_memory_utilization")
 

@@ -64,8 +64,9 @@ class Liveness:
                     f"rollout server {url} answered nothing for {self.silence_s:g} s, not even /health (stopped, hung or "
                     "cut off); restart it, or raise --rollout_server_silence_s if it is only slow"
                 )
-            try:  # httpx's timeout and asyncio's: a transport that enforces none is bounded all the same
-                await asyncio.wait_for(self._http.get(url + "/health", timeout=left), left)
+            try:  # httpx's timeout and asyncio's (a transport that enforces none is bounded all the same); not wait_for,
+                async with asyncio.timeout(left):  # which on 3.11 swallows a cancel arriving as the probe's answer does
+                    await self._http.get(url + "/health", timeout=left)
             except (httpx.HTTPError, TimeoutError):  # no answer in time, or none at all (refused, reset): silence
                 await asyncio.sleep(min(PROBE_INTERVAL_S, max(0.0, last_answer + self.silence_s - time.monotonic())))
                 continue

@@ -58,3 +58,32 @@ def test_a_live_servers_long_call_is_not_cut_and_its_probes_stop_with_it():
 
     asyncio.run(main())
     assert len(probes) >= 3
+
+
+def test_a_probe_stops_with_its_last_watch_even_as_its_answer_arrives():
+    """The watch ends as the probe's /health answer arrives (work as quick as the probe, started a tick or two
+    before it): the probe is cancelled and ends. On main (Python 3.11) asyncio.wait_for swallowed that cancel and
+    the probe went on probing every second for the client's life, a task destroyed pending at its close."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ok"})
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            liveness, left_running = Liveness(http, silence_s=10.0), []
+            for ticks in range(4):
+
+                async def work() -> httpx.Response:
+                    for _ in range(ticks):
+                        await asyncio.sleep(0)
+                    return await http.get("http://live/x")
+
+                await liveness.watch("http://live", work())
+                probes = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Liveness._probe"]
+                await asyncio.sleep(0.05)
+                left_running += [ticks for t in probes if not t.done()]
+                for probe in probes:
+                    probe.cancel()
+            return left_running
+
+    assert asyncio.run(main()) == []

@@ -426,14 +426,14 @@ def _generator(config: TrainConfig, sizing: EngineSizing | None, sampling: Sampl
 
 
 def _judge(config: TrainConfig) -> GeneratorConfig | None:
-    """The LLM judge's backend: its server (with the policy servers' API key), or its own engine beside the
-    policy's; None without a judge model (a plugin may need none)."""
+    """The LLM judge's backend: its server (with the policy servers' API key; a request's deadline is the reward
+    call's, --reward_timeout_s), or its own engine beside the policy's; None without a judge model (a plugin may need none)."""
     j = config.judge
     if j.reward_model_url:
         key = resolve_api_key(config.generation.api_key)
         return RemoteConfig(
             urls=(j.reward_model_url,), api_key=key, rollout_server_timeout=config.generation.rollout_server_timeout,
-            rollout_server_silence_s=config.generation.rollout_server_silence_s,
+            rollout_server_silence_s=config.generation.rollout_server_silence_s, request_timeout_s=config.reward.reward_timeout_s,
         )
     if j.reward_model:
         return EngineConfig(model=j.reward_model, device=config.trainer.device, seed=config.run.seed, gpu_memory_utilization=JUDGE_MEMORY_FRACTION)

@@ -58,6 +58,13 @@ def test_the_api_key_falls_back_to_the_environment_once_for_the_policy_and_the_j
     assert "from-env" not in yaml.safe_dump(plan.to_dict())  # never printed
 
 
+@pytest.mark.parametrize("deadline", [30.0, 1200.0])
+def test_a_judge_servers_request_deadline_is_the_reward_deadline(deadline):
+    """On main it was 600 s whatever --reward_timeout_s: a judge given 1200 s was cut at 600 (logged Nones)."""
+    plan = parse(["--reward_model", "j", "--reward_model_url", "http://127.0.0.1:2", "--reward_timeout_s", str(deadline)])[0].resolve()
+    assert plan.judge.request_timeout_s == deadline
+
+
 def test_a_judge_engine_takes_its_own_memory_fraction():
     plan = parse(["--reward_model", "some/judge"])[0].resolve()
     assert isinstance(plan.judge, EngineConfig) and plan.judge.model == "some/judge" and plan.judge.gpu_memory_utilization == 0.2

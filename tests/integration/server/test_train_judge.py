@@ -70,3 +70,31 @@ def test_a_judge_server_whose_queue_is_smaller_than_a_step_scores_every_completi
         server.stop()
     assert "reward model failed" not in caplog.text and "busy" not in caplog.text, caplog.text[-2000:]
     assert finished == 8
+
+
+def test_the_judge_servers_requests_are_aborted_at_the_reward_deadline(tiny_model_dir, tiny_tokenizer):
+    """Replies of 340 tokens (~1.4 s on a CPU) and a reward deadline of 0.3 s: the reward call ends with the
+    deadline, and its 4 requests end on the server as aborted, not left running to their end."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from tandemrl.generation.base import RemoteConfig
+    from tandemrl.generation.remote import RemoteGenerator
+    from tandemrl.rewards.base import RewardFunc, RewardTimeoutError, score
+    from tandemrl.rewards.judge import JudgeConfig, build_judge
+
+    server = start_server(tiny_model_dir, "--max_model_len", "512")
+    generator = RemoteGenerator(RemoteConfig(urls=(server.url,)))
+    judge = build_judge(JudgeConfig(reward_model=tiny_model_dir, reward_model_max_tokens=340), generator=generator, tokenizer=tiny_tokenizer)
+    try:
+        with pytest.raises(RewardTimeoutError):
+            asyncio.run(score([RewardFunc(name="reward_model", fn=judge)], None, ["p"] * 4, ["c"] * 4, {}, timeout_s=0.3))
+        deadline = time.monotonic() + 5
+        while (metrics := server.metrics())["tandem_requests_running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        asyncio.run(generator.close())
+        server.stop()
+    assert metrics['tandem_requests_total{finish_reason="abort"}'] == 4 and metrics["tandem_requests_running"] == 0

@@ -108,8 +108,7 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
         prompter.check(prompt_ids, params)
         if body.is_async:
             return GenerateResponse(request_ids=service.submit(prompt_ids, params, body.n))
-        service.check_capacity(body.n)  # all n fit, or a 503 before any starts (those that fitted ran to their end first)
-        tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for p in per_sample(params, body.n)]
+        tasks = service.start([(prompt_ids, p) for p in per_sample(params, body.n)])  # all n, or a 503 before any starts
         if await until_done_or_disconnect(request, asyncio.gather(*tasks, return_exceptions=True)) is None:
             return Response(status_code=499)  # the client hung up (nginx's code): its tasks are cancelled, nobody reads them
         results = [service.result(uuid.uuid4().hex, task) for task in tasks]

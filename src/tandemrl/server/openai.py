@@ -176,19 +176,15 @@ async def _respond(service: RolloutService, prompter: Prompter, request: Request
     for prompt_ids, p in zip(prompts, params):
         prompter.check(prompt_ids, p)
     jobs = [(prompt_ids, one) for prompt_ids, p in zip(prompts, params) for one in per_sample(p, body.n)]
-    service.check_capacity(len(jobs))  # all choices fit, or a 503 before any starts (a stream's 200 is not yet sent)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.model_name}
     if body.stream:
         events: asyncio.Queue = asyncio.Queue()  # (choice index, token id | its finished task)
-        by_token = service.streams_tokens and (body.logprobs is None or body.logprobs is False)  # logprobs come whole, with the text
-        tasks = [
-            asyncio.ensure_future(service.generate(ids, p, on_token=functools.partial(_put, events, i) if by_token else None))
-            for i, (ids, p) in enumerate(jobs)
-        ]
+        by_token = body.logprobs is None or body.logprobs is False  # logprobs come whole, with the text
+        tasks = service.start(jobs, on_token=functools.partial(_put, events) if by_token else None)  # all choices, or a 503 before any starts
         for i, task in enumerate(tasks):
             task.add_done_callback(functools.partial(_put, events, i))
         return StreamingResponse(_stream(tasks, events, jobs, prompter, head, body, chat), media_type="text/event-stream")
-    tasks = [asyncio.ensure_future(service.generate(prompt_ids, p)) for prompt_ids, p in jobs]
+    tasks = service.start(jobs)  # all choices, or a 503 before any starts
     try:
         completions = await until_done_or_disconnect(request, asyncio.gather(*tasks))
     finally:

@@ -103,15 +103,14 @@ class RolloutService:
         """Whether `generate(..., on_token=f)` calls f with each token as it is sampled (the engine does)."""
         return bool(getattr(self.generator, "streams_tokens", False))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, on_token: Callable[[int], None] | None = None) -> Completion:
-        """One completion through the gate. Cancelling it aborts the generation (the engine frees it).
-        `on_token` is passed to a generator that streams tokens, and ignored by one that does not."""
-        self.check_capacity(1)
-        self._num_in_flight += 1
-        try:
-            return await self._generate(prompt_ids, params, on_token if self.streams_tokens else None)
-        finally:
-            self._num_in_flight -= 1
+    def start(self, jobs: list[tuple[list[int], SamplingParams]], *, on_token: Callable[[int, int], None] | None = None) -> list[asyncio.Task]:
+        """Starts a completion of every (prompt ids, params) through the gate, or none (Busy): the check and the
+        slots they take are one step, so no other request passes the check on slots these already hold.
+        Cancelling a task aborts its generation (the engine frees it). `on_token(job index, token id)` is called
+        by a generator that streams tokens, and ignored by one that does not."""
+        self.check_capacity(len(jobs))
+        stream = on_token if self.streams_tokens else None
+        return [self._start(self._generate(ids, p, None if stream is None else functools.partial(stream, i))) for i, (ids, p) in enumerate(jobs)]
 
     @property
     def awaiting_weights(self) -> bool:
@@ -172,15 +171,13 @@ class RolloutService:
 
     def start_batch(self, items: list[tuple[str, list[int], SamplingParams]]) -> dict[str, asyncio.Task]:
         """Starts every (request id, prompt ids, params) in this tick, or none (Busy), so the generator
-        batches them together. An id that already runs here is aborted first: a retried item never
-        runs twice on this server. The ids stay abortable until `forget`."""
-        self.check_capacity(len(items))
-        tasks = {}
-        for request_id, prompt_ids, params in items:
+        batches them together. An id that already runs here is aborted: a retried item never runs
+        twice on this server. The ids stay abortable until `forget`."""
+        tasks = dict(zip((request_id for request_id, _, _ in items), self.start([(ids, params) for _, ids, params in items])))
+        for request_id, task in tasks.items():
             if request_id in self._entries:
                 self._entries[request_id].task.cancel()
-            tasks[request_id] = self._start(self._generate(prompt_ids, params))
-            self._entries[request_id] = _Entry(tasks[request_id])
+            self._entries[request_id] = _Entry(task)
         return tasks
 
     def _start(self, generation: Any) -> asyncio.Task:
@@ -203,10 +200,8 @@ class RolloutService:
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[str]:
         """Starts `n` samples, or none (Busy); returns their request ids at once."""
         self._forget_expired()
-        self.check_capacity(n)
         ids = [uuid.uuid4().hex for _ in range(n)]
-        for request_id, sample_params in zip(ids, per_sample(params, n)):
-            task = self._start(self._generate(prompt_ids, sample_params))
+        for request_id, task in zip(ids, self.start([(prompt_ids, p) for p in per_sample(params, n)])):
             entry = self._entries[request_id] = _Entry(task)
             task.add_done_callback(lambda _, e=entry: setattr(e, "finished_at", time.monotonic()))
         return ids

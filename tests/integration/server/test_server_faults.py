@@ -347,3 +347,36 @@ def test_sleep_and_a_drain_update_give_up_at_drain_timeout_s_with_a_504_and_the_
     finally:
         client.close()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_model_dir):
+    s = start_server(tiny_model_dir, "--max_pending_requests", "4")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/generate", {"prompt": "go"}),
+    ("/v1/completions", {"prompt": "go"}),
+    ("/v1/completions", {"prompt": "go", "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}),
+], ids=["generate", "completions", "completions-stream", "chat"])  # fmt: skip
+def test_a_request_answered_503_for_a_full_queue_ran_none_of_its_samples(tight_server, path, extra):
+    """The routes checked that n samples fit, then started them as tasks that each took its slot later: two
+    requests could pass the check together, and one got a 503 after some of its samples ran (32 concurrent
+    requests of n=3 under --max_pending_requests 4 ran 13 samples for four 200s on main). The check and the
+    slots are one step now: every sample run belongs to a request answered 200."""
+    body = {**extra, "n": 3, "max_tokens": 20, "ignore_eos": True}
+    before = _num_finished(tight_server)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: httpx.post(tight_server.url + path, json=body, timeout=60), range(32)))
+    codes = [a.status_code for a in answers]
+    assert set(codes) == {200, 503} and all("do not fit" in a.json()["detail"] for a in answers if a.status_code == 503), codes
+    assert all("server_busy" not in a.text for a in answers if a.status_code == 200)  # a stream's 200 whose sample was refused
+    time.sleep(0.5)  # the last aborted sample is counted
+    assert _num_finished(tight_server) - before == 3 * codes.count(200), codes
+
+
+def _num_finished(server) -> float:
+    return sum(v for k, v in server.metrics().items() if k.startswith("tandem_requests_total{"))

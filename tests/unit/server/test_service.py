@@ -110,11 +110,11 @@ def test_drain_waits_for_running_requests_and_holds_new_ones_until_after_the_upd
     async def scenario():
         log: list[str] = []
         gen, service = make(log)
-        a = asyncio.create_task(service.generate([1], PARAMS))
+        a = service.start([([1], PARAMS)])[0]
         await until(lambda: "start r1" in log)
         update = asyncio.create_task(service.update_weights(version=1, mode="drain"))
         await until(lambda: service.gate._closers == 1)
-        b = asyncio.create_task(service.generate([2], PARAMS))
+        b = service.start([([2], PARAMS)])[0]
         await asyncio.sleep(0.01)
         assert service.gate.num_queued == 1 and "start r2" not in log
         gen.release["r1"].set()
@@ -134,13 +134,13 @@ def test_a_drain_past_its_deadline_reopens_the_gate_keeps_the_version_and_says_h
     async def scenario():
         log: list[str] = []
         gen, service = make(log, drain_timeout_s=0.2)
-        stuck = asyncio.create_task(service.generate([1], PARAMS))  # never released: a generation that never ends
+        stuck = service.start([([1], PARAMS)])[0]  # never released: a generation that never ends
         await until(lambda: "start r1" in log)
         for drain in (lambda: service.update_weights(version=1, mode="drain"), lambda: service.sleep(1)):
             started = time.monotonic()
             attempt = asyncio.create_task(drain())
             await until(lambda: service.gate._closers == 1)
-            held = asyncio.create_task(service.generate([2], PARAMS))
+            held = service.start([([2], PARAMS)])[0]
             with pytest.raises(Undrained, match=r"1 request\(s\) still running after 0.2 s \(--drain_timeout_s\)"):
                 await asyncio.wait_for(attempt, 5)
             assert time.monotonic() - started < 1.0 and service.gate._closers == 0
@@ -161,13 +161,13 @@ def test_a_drain_past_its_deadline_reopens_the_gate_keeps_the_version_and_says_h
 def test_a_cancelled_drain_reopens_the_gate():
     async def scenario():
         gen, service = make([])
-        stuck = asyncio.create_task(service.generate([1], PARAMS))
+        stuck = service.start([([1], PARAMS)])[0]
         await until(lambda: "r1" in gen.release)
         closing = asyncio.create_task(service.gate.close(30))  # e.g. a weight update given up mid-drain
         await until(lambda: service.gate._closers == 1)
         closing.cancel()
         await asyncio.gather(closing, return_exceptions=True)
-        admitted = asyncio.create_task(service.generate([2], PARAMS))
+        admitted = service.start([([2], PARAMS)])[0]
         await asyncio.wait_for(until(lambda: "r2" in gen.release), 1)  # the gate stayed closed for good (on main)
         for event in gen.release.values():
             event.set()
@@ -180,7 +180,7 @@ def test_pause_updates_while_requests_run():
     async def scenario():
         log: list[str] = []
         gen, service = make(log)
-        a = asyncio.create_task(service.generate([1], PARAMS))
+        a = service.start([([1], PARAMS)])[0]
         await until(lambda: "start r1" in log)
         await service.update_weights(version=1, mode="pause")
         gen.release["r1"].set()
@@ -197,7 +197,7 @@ def test_failed_transfer_keeps_the_version_and_hands_nothing_over():
         with pytest.raises(RuntimeError, match="closed by peer"):
             await service.update_weights(version=1, mode="drain")
         assert gen.version == 0 and not service.update_in_progress and service.counters.weight_syncs["failed"] == 1
-        a = asyncio.create_task(service.generate([3], PARAMS))
+        a = service.start([([3], PARAMS)])[0]
         await until(lambda: "start r3" in log)
         gen.release["r3"].set()
         assert (await a).policy_versions == [0]
@@ -290,13 +290,14 @@ def test_a_receive_that_makes_no_progress_past_the_groups_timeout_is_given_up(mo
     asyncio.run(scenario())
 
 
-def test_full_queue_is_busy_not_unbounded():
+def test_full_queue_is_busy_not_unbounded_and_slots_are_taken_as_the_check_passes():
     async def scenario():
-        gen, service = make([], max_pending=2)
-        tasks = [asyncio.create_task(service.generate([i], PARAMS)) for i in (1, 2)]
+        gen, service = make([], max_pending=3)
+        tasks = service.start([([1], PARAMS), ([2], PARAMS)])
+        with pytest.raises(Busy, match="2 more do not fit"):  # in the same tick: none of the two has run yet
+            service.start([([3], PARAMS), ([4], PARAMS)])
         await until(lambda: len(gen.release) == 2)
-        with pytest.raises(Busy):
-            await service.generate([3], PARAMS)
+        assert sorted(gen.release) == ["r1", "r2"]  # nothing of the refused request started
         for event in gen.release.values():
             event.set()
         await asyncio.gather(*tasks)

@@ -316,11 +316,11 @@ def test_sleep_and_a_drain_update_give_up_at_drain_timeout_s_with_a_504_and_the_
     """/sleep and a drain-mode update waited for every running request with no deadline of their own (a request
     that never ended held them, and the trainer's push, for good; no flag on main): each now answers 504 after
     --drain_timeout_s naming how many still ran, and the server serves on, awake, at its version."""
-    server = start_server(tiny_model_dir, "--drain_timeout_s", "0.3")
+    server = start_server(tiny_model_dir, "--drain_timeout_s", "0.3", "--max_model_len", "512")
     client = RolloutClient(RemoteConfig(urls=(server.url,), rollout_server_timeout=60, request_timeout_s=60))
-    busy = {"prompt": "go", "n": 48, "is_async": True, "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    busy = {"prompt": "go", "n": 48, "is_async": True, "max_tokens": 500, "ignore_eos": True, "temperature": 0}
 
-    def start_busy() -> list[str]:  # hf on CPU: a few seconds of work
+    def start_busy() -> list[str]:  # hf on CPU: one batch of ~2 s, run after the batches before it
         ids = server.post("/generate", busy).json()["request_ids"]
         while server.get("/ready").json()["num_running"] == 0:
             time.sleep(0.01)

@@ -65,7 +65,7 @@ class DataConfig:
     """Hub id, local .jsonl/.json/.parquet/.csv file or directory (save_to_disk's, or of data files) with a `prompt`
     column (other columns go to rewards)."""
     dataset_split: str = "train"
-    """Split of a hub or saved dataset."""
+    """Split of a hub dataset or a directory; a single file is one split, train (as datasets reads a file): another is refused."""
     shuffle_dataset: bool = True
     """TRL's name: draw the prompts in an order reshuffled every epoch (from --seed); false = the dataset's order,
     every epoch. A resumed run goes on in its checkpoint's order."""
@@ -88,7 +88,7 @@ class DataConfig:
     eval_dataset: str = ""
     """Evaluation prompts, as --dataset (with --task: that task's data format); empty = no evaluation."""
     eval_dataset_split: str = "test"
-    """Split of a hub or saved --eval_dataset."""
+    """Split of a hub or directory --eval_dataset; a single file is read whole at this default (a split other than train given for it is refused)."""
     eval_steps: float = 50
     """TRL's name: evaluate every this many steps (below 1: TRL's ratio of the run's steps) and after the last,
     when --eval_dataset is given; the metrics are the training ones prefixed eval_ (eval_reward,

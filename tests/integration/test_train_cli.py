@@ -170,6 +170,7 @@ def test_a_trl_reward_logs_its_metric_and_completion_columns(tmp_path):
         ("missing_model", "does not exist"),
         ("long_prompt", "prompt of row 0 of --dataset"),
         ("long_eval_prompt", "prompt of row 1 of --eval_dataset"),  # which file: the row numbers of both start at 0
+        ("file_split", "is one file, whose one split is 'train'"),  # on main --dataset_split test trained on the whole file
         ("raising_reward", "ZeroDivisionError"),
         ("wrong_length", "reward"),
     ],
@@ -188,6 +189,8 @@ def test_bad_input_is_one_line_error_with_exit_2(tmp_path, tiny_model_dir, case,
     elif case == "long_eval_prompt":
         args += ["--eval_dataset", write_jsonl(tmp_path / "e.jsonl", [{"prompt": "hi", "answer": "1"}, {"prompt": "hello " * 40, "answer": "2"}])]
         args += ["--max_prompt_length", "16"]
+    elif case == "file_split":
+        args += ["--dataset_split", "test"]
     elif case == "raising_reward":
         args[args.index("length")] = reward_file(tmp_path, "def reward(prompts, completions, **kw):\n    return [1 / 0]\n")
     elif case == "wrong_length":

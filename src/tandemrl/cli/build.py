@@ -21,9 +21,9 @@ from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
 from tandemrl.cli.plan import gpu_bytes, memory_setup, model_config, plan_run, planned_peaks_gib, with_plan
 from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
-from tandemrl.config import RESUME_MAY_CHANGE, TrainConfig, changed_flags
+from tandemrl.config import RESUME_MAY_CHANGE, DataConfig, TrainConfig, changed_flags
 from tandemrl.data.cursor import PromptCursor
-from tandemrl.data.load import load_examples
+from tandemrl.data.load import FILE_SPLIT, is_one_file, load_examples
 from tandemrl.data.prompts import check_prompt_length, encode_prompt
 from tandemrl.generation.factory import build_generator
 from tandemrl.generation.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -417,16 +417,24 @@ def _data(config: TrainConfig, task: Task | None) -> list[Example]:
     raise ValueError("no data: pass --dataset (hub id, .jsonl/.json/.parquet/.csv file or directory) or --task")
 
 
+def _eval_split(d: DataConfig) -> str:
+    """--eval_dataset_split; at its default ('test') a single --eval_dataset file is read whole (its one split,
+    'train'): an evaluation file is the evaluation set. Another split of a file is refused, as for --dataset."""
+    given = d.eval_dataset_split != DataConfig.eval_dataset_split
+    return FILE_SPLIT if not given and is_one_file(d.eval_dataset) else d.eval_dataset_split
+
+
 def _eval_set(config: TrainConfig) -> EvalSet | None:
     """--eval_dataset's examples (in the task's format when there is a task; tokenized with the training
     prompts, in _main), or None without one."""
     d = config.data
     if not d.eval_dataset:
         return None
+    split = _eval_split(d)
     if config.run.task:
-        examples = get_task(config.run.task, data=d.eval_dataset, split=d.eval_dataset_split).load()
+        examples = get_task(config.run.task, data=d.eval_dataset, split=split).load()
     else:
-        examples = load_examples(d.eval_dataset, split=d.eval_dataset_split)
+        examples = load_examples(d.eval_dataset, split=split)
     return EvalSet(
         examples=examples, prompt_ids=[], eval_steps=d.eval_steps,
         num_generations=d.num_generations_eval or d.num_generations,

@@ -16,6 +16,8 @@ from tandemrl.data.prompts import lone_surrogate
 from tandemrl.types import REWARD_KEYWORDS, Example
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+FILE_SPLIT = "train"
+"""A single data file's one split, as datasets.load_dataset reads a file: another split of it is refused."""
 
 
 def load_examples(spec: str, *, split: str = "train", limit: int | None = None, config: str | None = None) -> list[Example]:
@@ -34,7 +36,12 @@ def load_rows(spec: str, *, split: str = "train", limit: int | None = None, conf
     path = os.path.expanduser(spec)
     if os.path.isdir(path):
         rows = _read_saved(path, split, limit)
-    elif path.endswith(FILE_SUFFIXES) or os.path.isfile(path) or _looks_local(spec):
+    elif is_one_file(spec):
+        if split != FILE_SPLIT:
+            raise ValueError(
+                f"dataset {spec} is one file, whose one split is {FILE_SPLIT!r} (as datasets.load_dataset reads a file), "
+                f"not {split!r}; ask for split {FILE_SPLIT} (--dataset_split, --eval_dataset_split), or give a directory of split files (train.jsonl, test.jsonl, ...)"
+            )
         rows = _read_file(path, spec)[:limit]
     else:
         rows = _read_hub(spec, split, limit, config)
@@ -124,6 +131,12 @@ def _has_text(message: dict) -> bool:
 
 def _is_message(message: Any) -> bool:
     return isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
+
+
+def is_one_file(spec: str) -> bool:
+    """Whether `spec` names a single local data file (not a directory, not a hub id)."""
+    path = os.path.expanduser(spec)
+    return not os.path.isdir(path) and (path.endswith(FILE_SUFFIXES) or os.path.isfile(path) or _looks_local(spec))
 
 
 def _looks_local(spec: str) -> bool:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandemrl.cli.build import _judge, _policy, _rollout_side
+from tandemrl.cli.build import _eval_set, _judge, _policy, _rollout_side
 from tandemrl.cli.train import parse
 
 
@@ -30,6 +30,18 @@ def test_generator_device_places_the_colocated_engine():
         assert generator.config.device == "cpu" and generator.device.type == "cpu"
     finally:
         asyncio.run(generator.close())
+
+
+def test_an_eval_file_is_read_whole_at_the_default_split_and_another_split_of_it_is_refused(tmp_path):
+    """--eval_dataset FILE is the evaluation set (the flag's default split 'test' names no split of a file); an
+    --eval_dataset_split given on a file is refused as --dataset_split is (on main it was ignored)."""
+    path = tmp_path / "e.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    config, _ = parse(["--dataset", str(path), "--eval_dataset", str(path)])
+    assert [e.prompt for e in _eval_set(config).examples] == ["a", "b"]
+    config, _ = parse(["--dataset", str(path), "--eval_dataset", str(path), "--eval_dataset_split", "validation"])
+    with pytest.raises(ValueError, match="is one file, whose one split is 'train' .* not 'validation'"):
+        _eval_set(config)
 
 
 def test_a_rank_that_scores_nothing_builds_no_judge():

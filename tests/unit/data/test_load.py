@@ -25,6 +25,21 @@ def test_jsonl_rows_become_examples_in_order(tmp_path) -> None:
     assert [e.index for e in examples] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_a_single_file_is_its_one_train_split_as_datasets_reads_it(tmp_path, suffix) -> None:
+    """Another split of one file is one line naming the file and its split (on main the split was ignored: split
+    test trained on the whole file, silently); a directory of split files keeps its splits."""
+    path = tmp_path / f"d.{suffix}"
+    if suffix == "jsonl":
+        _jsonl(path, ROWS)
+    else:
+        path.write_text("prompt,answer\n1+1=,2\n2+2=,4\n3+3=,6\n")
+    assert len(load_examples(str(path), split="train")) == 3
+    message = f"dataset {path} is one file, whose one split is 'train' (as datasets.load_dataset reads a file), not 'test'; ask for split train"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_examples(str(path), split="test")
+
+
 def test_limit_keeps_the_first_rows(tmp_path) -> None:
     assert [e.prompt for e in load_examples(_jsonl(tmp_path / "d.jsonl", ROWS), limit=2)] == ["1+1=", "2+2="]
 

@@ -98,3 +98,10 @@ def test_rollout_flags_are_strict_too():
     assert "unknown flag --tensor_parallel (did you mean --tensor_parallel_size?)" in one_line_error(
         tandem("rollout", "--model", "m", "--tensor_parallel", "2")
     )
+
+
+def test_help_group_descriptions_are_whole_sentences(train_help):
+    text = " ".join(train_help.split())
+    assert "beside the trainer's base or merged into a copy of its own (--lora_engine; train/lora.py). --lora_r" in text
+    rollout_help = " ".join(tandem("rollout", "--help").stdout.split())
+    assert "A model source (ignored when the trainer hands its model in colocate mode) plus the engine's settings. --gpu_memory_utilization" in rollout_help

@@ -171,7 +171,8 @@ def add_config_args(
     are left unset so that yaml and recipes can fill them. `notes[field]` is appended to a flag's help
     (e.g. where a task recipe overrides its default). Flags in `raw` keep their values as text (checked
     when the config is built, after other forms of a value are translated: TRL's `--logging_steps 0.1`)."""
-    group = parser.add_argument_group(title or group_title(cls), (cls.__doc__ or "").split("\n")[0] or None)
+    summary = " ".join(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].split())  # the first paragraph, whole
+    group = parser.add_argument_group(title or group_title(cls), summary or None)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):

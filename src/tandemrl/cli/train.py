@@ -21,7 +21,7 @@ from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, che
 from tandemrl.config import LEAVES, TrainConfig
 
 log = logging.getLogger(__name__)
-RAW_FLAGS = ("scale_rewards", "logging_steps", "save_steps", "eval_steps", "report_to", "dtype")
+RAW_FLAGS = ("scale_rewards", "logging_steps", "save_steps", "eval_steps", "report_to", "dtype", "reward_weights")
 """Flags whose values argparse keeps as text: TRL writes other forms of them (trl.finish translates)."""
 PLAN_KEY = "plan"  # --print_config's key of the resolved plan
 

@@ -195,6 +195,7 @@ def test_comma_separated_reward_funcs_are_several_functions_as_a_list_is(tmp_pat
     path.write_text("reward_funcs: [format, length]\nreward_weights: [1, 0.5]\n")
     assert parse(["--config", str(path)])[0].reward.reward_funcs == ("format", "length")
     assert parse(["--reward_weights", "2"])[0].reward.reward_weights == (2.0,)
+    assert parse(["--reward_weights", "1,0.5", "0.2"])[0].reward.reward_weights == (1.0, 0.5, 0.2)  # the flag too (argparse refused it)
 
 
 @pytest.mark.parametrize(

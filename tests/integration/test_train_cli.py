@@ -150,15 +150,17 @@ def reward(completions, log_metric, log_extra, **kwargs):  # TRL 1.16's keywords
 
 def test_a_trl_reward_logs_its_metric_and_completion_columns(tmp_path):
     """A reward taking TRL's log_metric and log_extra failed (issue 36): the metric is in metrics.jsonl under
-    its own name (the mean over the step's groups), the column in completions.jsonl beside the completion."""
+    its own name (the mean over the step's groups), the column in completions.jsonl beside the completion.
+    A function named `reward` (TRL's) overwrote the weighted total there: its column is rewards/reward."""
     rewards = reward_file(tmp_path, TRL_LOGGING_REWARD)
-    tiny = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4"]
+    tiny = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4", "--reward_weights", "0.5"]
     result = tandem("train", "--reward_funcs", rewards, "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--log_completions_steps", "1", *tiny)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and all(row["chars"] == len(row["completion"]) == round(row["reward"] * 10) for row in rows)
+    assert len(rows) == 4 and all(row["chars"] == len(row["completion"]) == round(row["rewards/reward"] * 10) for row in rows)
+    assert all(row["reward"] == pytest.approx(row["rewards/reward"] * 0.5) for row in rows)
     (step,) = metrics(tmp_path / "run")  # 2 groups of 2: each group's mean, then their mean = the mean of all 4
-    assert step["mean_chars"] == pytest.approx(sum(row["chars"] for row in rows) / 4) == pytest.approx(step["reward"] * 10)
+    assert step["mean_chars"] == pytest.approx(sum(row["chars"] for row in rows) / 4) == pytest.approx(step["reward"] * 20)
     assert "chars " in result.stdout  # the console's samples show the column too
 
 

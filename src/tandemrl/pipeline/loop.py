@@ -34,7 +34,7 @@ from tandemrl.pipeline.producer import (
     Producer, generation_rounds, group_seed, reward_matrix, reward_metrics, score_or_drop,
 )  # fmt: skip
 from tandemrl.pipeline.settings import LoopSettings
-from tandemrl.rewards.base import TrainerState
+from tandemrl.rewards.base import TrainerState, score_columns
 from tandemrl.rollout.group import failed, play_group, turn_metrics
 from tandemrl.rollout.run import completion_text
 from tandemrl.train.checkpoint import save_checkpoint
@@ -404,7 +404,7 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     if not every or (step % every and step != settings.max_steps):
         return
     rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
-    rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **r.rewards, **r.extra} for r in rollouts]
+    rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **score_columns(r.rewards), **r.extra} for r in rollouts]
     parts.logger.log_completions(step, rows)  # a chat prompt stays its messages in completions.jsonl
     sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
     shown = [

@@ -81,6 +81,15 @@ class RewardLogs:
 COMPLETION_COLUMNS = ("step", "prompt", "completion", "reward", "advantage")  # what log_extra may not name
 
 
+def score_columns(rewards: dict[str, Any]) -> dict[str, Any]:
+    """Each function's score as a completions.jsonl column: its name, or rewards/<name> where a column above
+    has it (TRL's `def reward(completions, **kwargs)` would overwrite the weighted total).
+
+    Example: {"reward": 0.5, "brevity": 0.1} -> {"rewards/reward": 0.5, "brevity": 0.1}
+    """
+    return {f"rewards/{name}" if name in COMPLETION_COLUMNS else name: value for name, value in rewards.items()}
+
+
 def load_reward_funcs(names: list[str]) -> list[RewardFunc]:
     """Resolves each name: a built-in, `module:function`, or `path/to/file.py:function`.
 

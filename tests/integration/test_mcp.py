@@ -4,6 +4,7 @@ streamable HTTP, opened once, tools listed and called, sessions closed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -41,7 +42,9 @@ def test_stdio_server_round_trip(tmp_path):
     assert names == ["calculator"] and ok == "179282" and bad.startswith("error:")
 
 
-def test_http_server_round_trip(tmp_path):
+@contextlib.contextmanager
+def http_server(tmp_path):
+    """The example server over streamable HTTP; yields the path of a servers.json naming it."""
     proc = subprocess.Popen([*SERVER, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ})
     try:
         line, deadline = "", time.monotonic() + 60
@@ -49,11 +52,32 @@ def test_http_server_round_trip(tmp_path):
             line = proc.stdout.readline()
         url = re.search(r"(http://\S+)", line).group(1)
         (tmp_path / "servers.json").write_text(json.dumps({"mcpServers": {"calc": {"url": url}}}))
-        names, ok, bad = asyncio.run(round_trip(ToolsConfig(mcp_config=str(tmp_path / "servers.json"))))
-        assert names == ["calculator"] and ok == "179282" and bad.startswith("error:")
+        yield str(tmp_path / "servers.json")
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_http_server_round_trip(tmp_path):
+    with http_server(tmp_path) as servers:
+        names, ok, bad = asyncio.run(round_trip(ToolsConfig(mcp_config=servers)))
+    assert names == ["calculator"] and ok == "179282" and bad.startswith("error:")
+
+
+def test_a_run_over_an_http_server_prints_no_http_request_lines(tmp_path, tiny_model_dir):
+    """The MCP client's HTTP library (httpx2) and its session logged every request at INFO on the console."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} * 3 + 1"}) + "\n" for a in range(2)))
+    tiny = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4", "--max_prompt_length", "32"]
+    with http_server(tmp_path) as servers:
+        result = subprocess.run(
+            [sys.executable, "-m", "tandemrl", "train", "--model", tiny_model_dir, "--dataset", str(tmp_path / "data.jsonl"),
+             "--reward_funcs", "length", "--mcp_config", servers, "--max_total_tokens", "64", "--max_steps", "1",
+             "--output_dir", str(tmp_path / "run"), *tiny],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "HTTP Request" not in output and " INFO mcp." not in output, output
 
 
 def test_bad_config_is_a_one_line_error(tmp_path):

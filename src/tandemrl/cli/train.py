@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
         level=logging.WARNING if rank else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
         handlers=[LogLines()],
     )  # fmt: skip
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "httpx2", "mcp", "urllib3", "filelock"):  # mcp: its client and httpx2 log each request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config, flags = parse(argv)
     plan = config.resolve()

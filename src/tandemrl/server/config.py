@@ -37,7 +37,8 @@ class RolloutServerConfig:
     """Longest wait of /sleep and of a drain-mode weight update for the running requests to end; past it
     the server admits again, stays awake at its version, and answers 504 naming how many still ran."""
     max_request_bytes: int = 32 * 2**20
-    """Largest request body accepted; a larger one is answered 413 before it is read whole."""
+    """Largest request body accepted; a larger one is answered 413 before it is read whole (parsing one holds
+    every other request ~20 ms per MB: raise it knowing that)."""
     max_lora_rank: int = 0
     """Apply LoRA adapters of up to this rank beside the served base (the engine backend, one GPU): a trainer
     with --lora_r at most this then pushes only the adapters and the modules trained whole after its first

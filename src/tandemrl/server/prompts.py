@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 from tandemrl.data.prompts import cuts_at_word_ends, encode_at_most, lone_surrogate
@@ -100,7 +101,7 @@ class Prompter:
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [i for i in (*prompt_ids, *params.stop_token_ids) if not 0 <= i < self.vocab_size]
+        bad = self._outside_vocabulary(prompt_ids) + self._outside_vocabulary(params.stop_token_ids)
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -108,6 +109,13 @@ class Prompter:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) > max_model_len ({self.max_model_len}); "
                 "shorten the prompt or lower max_tokens"
             )
+
+    def _outside_vocabulary(self, token_ids: Sequence[int]) -> list[int]:
+        """Ids not in [0, vocab_size), found by min and max at C speed first (a Python walk of a body's 4 M ids
+        held the event loop 0.3 s). Example (vocab 10): [3, 12, -1] -> [12, -1]; [3, 4] -> []."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return []
+        return [i for i in token_ids if not 0 <= i < self.vocab_size]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -43,10 +43,14 @@ def _holds_int(annotation: Any) -> bool:
 
 
 def _integral(value: Any) -> Any:
-    """Example: 5.0 -> 5; [1.0, 2.5] -> [1, 2.5] (2.5 then refused as no integer); "5" -> "5" (refused)."""
+    """Example: 5.0 -> 5; [1.0, 2.5] -> [1, 2.5] (2.5 then refused as no integer); "5" -> "5" (refused). A list
+    is rebuilt only when it holds a float or a list: its types are read at C speed (a Python walk of a body's
+    4 M token ids held the event loop 2.3 s)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    return [_integral(v) for v in value] if isinstance(value, list) else value
+    if isinstance(value, list) and not {float, list}.isdisjoint(map(type, value)):
+        return [_integral(v) for v in value]
+    return value
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=64)]  # uuid4().hex here; a client's own in a batch

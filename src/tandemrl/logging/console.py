@@ -135,16 +135,27 @@ def _byte_of_char() -> dict[str, int]:
 
 def readable_text(tokenizer: Any, token_ids: list[int], text: str) -> str:
     """`text` (the decoding of `token_ids`) fit to print: bytes that are not UTF-8 shown as \\xNN
-    (byte-level tokenizers; others keep U+FFFD) and control characters but newlines and tabs escaped.
+    (byte-level tokenizers; others keep U+FFFD) and control characters but newlines and tabs escaped. `text`
+    may hold the special tokens (a conversation's turn markers) or not (a completion's).
 
     Example: ids whose bytes are b"ab\\xe2\\r" -> "ab\\\\xe2\\\\r" (shown as ab\\xe2\\r)
     """
-    if "\ufffd" in text and tokenizer.decode(token_ids, skip_special_tokens=True) == text:
-        byte_of = _byte_of_char()
-        tokens = tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=True)
-        if all(t is not None and all(c in byte_of for c in t) for t in tokens):  # None: an id past the tokenizer's vocab
-            text = bytes(byte_of[c] for t in tokens for c in t).decode("utf-8", errors="backslashreplace")
+    if "\ufffd" in text:
+        for skip in (True, False):
+            if tokenizer.decode(token_ids, skip_special_tokens=skip) == text:
+                tokens = tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=skip)
+                text = _from_bytes(tokens, set(tokenizer.all_special_tokens)) or text
+                break
     return printable(text, keep_newlines=True)
+
+
+def _from_bytes(tokens: list[str | None], specials: set[str]) -> str | None:
+    """Byte-level tokens as text, bytes that are not UTF-8 as \\xNN, a special token as itself; None where a
+    token is not byte-level (or None: an id past the tokenizer's vocab)."""
+    byte_of = _byte_of_char()
+    if not all(t is not None and (t in specials or all(c in byte_of for c in t)) for t in tokens):
+        return None
+    return b"".join(t.encode() if t in specials else bytes(byte_of[c] for c in t) for t in tokens).decode("utf-8", errors="backslashreplace")  # type: ignore[union-attr]
 
 
 def printable(text: str, *, keep_newlines: bool = False) -> str:

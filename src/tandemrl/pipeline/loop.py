@@ -36,7 +36,7 @@ from tandemrl.pipeline.producer import (
 from tandemrl.pipeline.settings import LoopSettings
 from tandemrl.rewards.base import TrainerState, score_columns
 from tandemrl.rollout.group import failed, play_group, turn_metrics
-from tandemrl.rollout.run import completion_text
+from tandemrl.rollout.run import completion_text, completion_token_ids
 from tandemrl.train.checkpoint import save_checkpoint
 from tandemrl.types import Batch, Group, RunStopped, every_steps
 
@@ -406,10 +406,9 @@ def _maybe_log_completions(parts: LoopParts, settings: LoopSettings, step: int, 
     rollouts = [r for g in groups[:2] for r in g.rollouts[:2]]
     rows = [{"prompt": r.example.prompt, "completion": completion_text(r, parts.tokenizer), "reward": r.reward, **score_columns(r.rewards), **r.extra} for r in rollouts]
     parts.logger.log_completions(step, rows)  # a chat prompt stays its messages in completions.jsonl
-    sampled = [[t for t, m in zip(r.trace.token_ids, r.trace.loss_mask) if m] for r in rollouts]
     shown = [
-        {**row, "prompt": prompt_text(row["prompt"]), "completion": readable_text(parts.tokenizer, ids, row["completion"])}
-        for row, ids in zip(rows, sampled)
+        {**row, "prompt": prompt_text(row["prompt"]), "completion": readable_text(parts.tokenizer, completion_token_ids(r), row["completion"])}
+        for row, r in zip(rows, rollouts)
     ]
     parts.progress.print_completions(step, shown)
 

@@ -104,9 +104,21 @@ def completion_text(rollout: Rollout, tokenizer: Any) -> str:
     """What a rollout wrote after its prompt, as text: a single-turn rollout's completion_text; a multi-turn
     rollout's conversation decoded now (only the few logged are: a decode of every conversation, at every
     step's end, cost ~10-50 us a rollout on the event loop that waits for the last one)."""
-    if rollout.completion_text or not rollout.messages or not rollout.turns:
+    if not _is_conversation(rollout):
         return rollout.completion_text
     return decoder_of(tokenizer)(rollout.trace.token_ids[rollout.turns[0].start :])
+
+
+def completion_token_ids(rollout: Rollout) -> list[int]:
+    """The token ids completion_text is the text of: a single-turn rollout's sampled tokens, a multi-turn
+    rollout's whole conversation after its prompt (tool answers and turn markers too)."""
+    if _is_conversation(rollout):
+        return rollout.trace.token_ids[rollout.turns[0].start :]
+    return [t for t, m in zip(rollout.trace.token_ids, rollout.trace.loss_mask) if m]
+
+
+def _is_conversation(rollout: Rollout) -> bool:
+    return not rollout.completion_text and bool(rollout.messages) and bool(rollout.turns)
 
 
 def with_turn_stop(params: SamplingParams, mt: MultiTurn) -> SamplingParams:

@@ -32,6 +32,16 @@ def test_undecodable_bytes_show_as_hex_and_control_characters_are_escaped():
     assert printable("a\rb\nc") == "a\\rb\\nc" and printable("a\tb", keep_newlines=True) == "a\tb"
 
 
+def test_undecodable_bytes_show_as_hex_in_a_conversation_with_turn_markers_too():
+    """A tool rollout's conversation (the lookup task's samples) keeps its special tokens: its bytes that
+    are not UTF-8 showed as U+FFFD, since only a text decoded without them was mapped back to bytes."""
+    tokenizer = build_tokenizer()
+    ids = [*tokenizer.convert_tokens_to_ids(["a", "â"]), tokenizer.convert_tokens_to_ids("<|im_end|>"), *tokenizer.convert_tokens_to_ids(["Ċ", "b"])]
+    text = tokenizer.decode(ids)
+    assert "\ufffd" in text and "<|im_end|>" in text
+    assert readable_text(tokenizer, ids, text) == "a\\xe2<|im_end|>\nb"
+
+
 def test_summary_names_best_and_last_reward_and_the_checkpoint():
     rows = [{"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.9}, {"step": 3, "reward": 0.7}]
     lines = summary(rows, wall_s=75, run_dir="runs/x", checkpoint="runs/x/checkpoint-3")

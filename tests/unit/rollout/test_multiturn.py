@@ -11,7 +11,7 @@ import pytest
 
 from tandemrl.rollout.chat import ChatFormat, HermesParser, decoder_of
 from tandemrl.rollout.env import ToolEnv
-from tandemrl.rollout.run import MultiTurn, completion_text, play
+from tandemrl.rollout.run import MultiTurn, completion_text, completion_token_ids, play
 from tandemrl.rollout.tools import ToolBox, python_tool
 from tandemrl.types import Completion, Example, RolloutStatus, SamplingParams
 
@@ -100,6 +100,7 @@ def test_three_turns_are_token_exact_with_tool_output_as_context(tiny_tokenizer)
     # the conversation's text is decoded where it is shown, not at every rollout's end
     assert rollout.completion_text == ""
     assert completion_text(rollout, tiny_tokenizer) == tiny_tokenizer.decode(trace.token_ids[len(prompt_ids) :])
+    assert completion_token_ids(rollout) == trace.token_ids[len(prompt_ids) :]  # what the console shows it from
 
 
 def test_sampled_tokens_are_never_retokenised(tiny_tokenizer):

@@ -8,6 +8,7 @@ Invariant: each function returns exactly one value per completion and never rais
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -128,7 +129,9 @@ def _accuracy(completion: str, reference: Any) -> float | None:
 def _verify(gold: str, answer: str) -> bool:
     from math_verify import parse, verify
 
-    # Timeouts off: math_verify's timeout uses signal.alarm, which fails outside the main thread.
+    # Timeouts off: math_verify's timeout uses signal.alarm, which fails outside the main thread. Its one
+    # warning then says to bound the call yourself, as --reward_timeout_s does: not shown on the console.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold_parsed = parse(f"${gold}$", parsing_timeout=None)
     answer_parsed = parse(f"${answer}$", parsing_timeout=None)
     return bool(gold_parsed and answer_parsed and verify(gold_parsed, answer_parsed, timeout_seconds=None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tandemrl.rewards.builtins import extract_answer, format, length, make_format, math_accuracy, reference_answer
@@ -29,6 +31,19 @@ def test_math_accuracy_takes_the_last_boxed_answer() -> None:
 def test_math_accuracy_equates_a_latex_fraction_and_a_decimal() -> None:
     completions = ["so \\boxed{\\frac{1}{2}}", "so \\boxed{0.5}", "so \\boxed{\\dfrac{3}{4}}"]
     assert math_accuracy(["q"] * 3, completions, solution=["0.5", "\\frac{1}{2}", "0.5"]) == [1.0, 1.0, 0.0]
+
+
+def test_math_accuracy_logs_no_warning_that_its_timeouts_are_off(caplog, monkeypatch) -> None:
+    """math_verify warned once a process that its timeouts were off (the gsm8k task's console showed it
+    twice), telling the user to bound the call, which --reward_timeout_s does."""
+    import math_verify.grader
+    import math_verify.parser
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
+    with caplog.at_level(logging.WARNING):
+        assert math_accuracy(["q"], ["so \\boxed{\\frac{1}{2}}"], solution=["0.5"]) == [1.0]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def test_math_accuracy_ignores_thousands_separators() -> None:

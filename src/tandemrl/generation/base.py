@@ -160,7 +160,8 @@ class RemoteConfig:
     rollout_server_timeout: float = 240.0
     """Seconds to wait for the servers to become ready before one clear error."""
     request_timeout_s: float = 600.0
-    """Seconds one generate request may take before it fails."""
+    """Seconds one generate request may take before it fails, from when it is first sent (a wait for room in
+    the servers' queues, on requests that each have this deadline, is not counted)."""
     max_retries: int = 4
     """Retries of a request whose connection failed (backoff 0.25 s, doubling), within request_timeout_s."""
     rollout_server_silence_s: float = 30.0

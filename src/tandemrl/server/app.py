@@ -221,7 +221,10 @@ def _add_guards(app: FastAPI, api_key: str | None) -> None:
 
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy) -> JSONResponse:
-        return JSONResponse(_error_body(str(error), "server_busy"), status_code=503, headers={"Retry-After": "1"})
+        body = _error_body(str(error), "server_busy")
+        if error.max_pending_requests is not None:  # a full queue: its size, for a client to split its batches by
+            body["max_pending_requests"] = error.max_pending_requests
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> Response:

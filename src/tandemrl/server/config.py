@@ -30,7 +30,8 @@ class RolloutServerConfig:
     served_model_name: str = ""
     """Model name reported by /v1/models and OpenAI responses (default: --model)."""
     max_pending_requests: int = 4096
-    """Requests queued or running at once; more get 503 (retry later)."""
+    """Requests queued or running at once; more get 503 (retry later). /ready reports it, and tandem's client
+    sends each server at most this many, the rest as they end."""
     result_ttl_s: float = 600.0
     """Seconds an uncollected async result is kept."""
     drain_timeout_s: float = 300.0
@@ -49,6 +50,8 @@ class RolloutServerConfig:
     variables together (and each rendered chat); more is a 400, before any prompt is tokenized."""
 
     def __post_init__(self) -> None:
+        if self.max_pending_requests < 1:
+            raise ValueError(f"--max_pending_requests must be >= 1 (no request would ever be admitted), got {self.max_pending_requests}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"--drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.max_lora_rank < 0:

@@ -13,7 +13,12 @@ from collections.abc import AsyncIterator
 
 
 class Busy(Exception):
-    """Too many requests pending: answered 503, the client retries later."""
+    """Too many requests pending: answered 503, the client retries later. `max_pending_requests`: the queue's
+    size, when the queue refused (the 503's field of that name, so a client sends batches that fit)."""
+
+    def __init__(self, message: str, *, max_pending_requests: int | None = None):
+        super().__init__(message)
+        self.max_pending_requests = max_pending_requests
 
 
 class Undrained(TimeoutError):

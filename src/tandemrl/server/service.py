@@ -129,8 +129,12 @@ class RolloutService:
         """Raises Busy (503, retry later) unless `num_requests` more fit under max_pending_requests; every
         kind of request counts (blocking, batch and async ones: an async one used to bypass the limit)."""
         self.check_weights()
-        if self._num_in_flight + num_requests > self.max_pending_requests:
-            raise Busy(f"{self.max_pending_requests} requests pending; {num_requests} more do not fit; retry later")
+        limit = self.max_pending_requests
+        if num_requests > limit:
+            raise Busy(f"{num_requests} more do not fit, now or ever: this server takes {limit} requests at once; send at most {limit} "
+                       "in one request, or restart it with a larger --max_pending_requests", max_pending_requests=limit)  # fmt: skip
+        if self._num_in_flight + num_requests > limit:
+            raise Busy(f"{self._num_in_flight} of {limit} requests pending (--max_pending_requests); {num_requests} more do not fit; retry later", max_pending_requests=limit)
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None) -> Completion:
         start = time.perf_counter()
@@ -396,6 +400,7 @@ class RolloutService:
             update_in_progress=self.update_in_progress,
             asleep=self.asleep,
             max_model_len=self.max_model_len,
+            max_pending_requests=self.max_pending_requests,
             device_uuid=self.device_uuid,
             weight_group=self.receiver.group_id if self.receiver else None,
             max_lora_rank=getattr(self.generator, "adapter_rank", 0),

@@ -229,6 +229,7 @@ class Readiness(BaseModel):
     update_in_progress: bool
     asleep: bool
     max_model_len: int
+    max_pending_requests: int = Field(description="Requests this server takes at once (--max_pending_requests): a client sends at most these, the rest as they end.")
     device_uuid: str | None = Field(None, description="GPU identity, for CUDA IPC weight sync on a shared GPU.")
     weight_group: str | None = Field(None, description="Id of the weight-sync group this server is in.")
     max_lora_rank: int = Field(0, description="LoRA adapters of up to this rank are applied beside the base (--max_lora_rank): pushes may carry only them.")

@@ -305,7 +305,9 @@ def test_a_blocking_generate_with_more_samples_than_free_slots_is_a_503_before_a
     before = small_server.metrics()
     started = time.monotonic()
     refused = small_server.post("/generate", {"prompt": "many", "max_tokens": 100, "ignore_eos": True, "n": 5})  # the server takes 4
-    assert refused.status_code == 503 and "5 more do not fit" in refused.json()["detail"], refused.text
+    assert refused.status_code == 503 and "5 more do not fit, now or ever" in refused.json()["detail"], refused.text
+    assert "--max_pending_requests" in refused.json()["detail"]  # which flag: it was 'retry later' only
+    assert refused.json()["max_pending_requests"] == 4 == small_server.get("/ready").json()["max_pending_requests"]  # for a client to split by
     assert time.monotonic() - started < 5
     after = small_server.metrics()
     assert after["tandem_generated_tokens_total"] == before["tandem_generated_tokens_total"]  # no generation ran

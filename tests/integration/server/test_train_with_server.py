@@ -11,16 +11,17 @@ import sys
 from rollout_helpers import start_server
 
 
-def train_through(model_dir: str, server, tmp_path, *extra: str) -> list[dict]:
+def train_through(model_dir: str, server, tmp_path, *extra: str, more_servers: tuple = ()) -> list[dict]:
     args = [
         sys.executable, "-m", "tandemrl", "train", "--model", model_dir, "--rollout_mode", "server",
-        "--rollout_server_urls", server.url, "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
+        "--rollout_server_urls", server.url, *(s.url for s in more_servers), "--weight_sync_port", "0", "--weight_sync_timeout_s", "60",
         "--output_dir", str(tmp_path), "--max_steps", "3", "--num_prompts_per_step", "4", "--num_generations", "4",
         "--max_completion_length", "6", "--max_prompt_length", "64", *extra,
     ]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:] + server.log_text()[-2000:]
+    assert " is busy: " not in result.stderr, result.stderr[-3000:]  # no server refused a batch (503)
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -33,6 +34,22 @@ def test_training_through_a_rollout_server_keeps_versions_in_step(tiny_model_dir
         assert server.get("/ready").json()["policy_version"] == 3
     finally:
         server.stop()
+
+
+def test_servers_whose_queues_are_smaller_than_a_step_get_what_fits_and_every_group_trains(tiny_model_dir, tmp_path):
+    """16 sequences a step against --max_pending_requests 3 and 5: the step left as one /generate_batch per
+    server, each answered 503 (nothing started) on every retry, so every group failed and the run stopped at
+    step 1 on main. The client reads each server's queue off /ready and sends each what fits, the rest as
+    sequences end: no 503, no group lost, both servers used."""
+    small, larger = start_server(tiny_model_dir, "--max_pending_requests", "3", backend="engine"), start_server(tiny_model_dir, "--max_pending_requests", "5", backend="engine")
+    try:
+        rows = train_through(tiny_model_dir, small, tmp_path, more_servers=(larger,))
+        assert [r["policy_version"] for r in rows] == [1, 2, 3] and [r["rollout/failed_groups"] for r in rows] == [0, 0, 0]
+        served = [sum(v for k, v in s.metrics().items() if k.startswith("tandem_requests_total{")) for s in (small, larger)]
+        assert sum(served) == 3 * 16 and min(served) > 0, served
+    finally:
+        small.stop()
+        larger.stop()
 
 
 def test_async_training_with_pause_updates_bounds_the_oldest_token_lag(tiny_model_dir, tmp_path):

@@ -109,6 +109,78 @@ def test_a_busy_server_is_retried_then_one_clear_error():
     assert isinstance(error, ConnectionError) and "busy" in str(error) and len(posts) == 3  # max_retries=2
 
 
+class Queue:
+    """A server's queue of `size`: a /generate_batch that does not fit whole is answered 503 (nothing started); the
+    items of one that fits are pending until their lines are sent. tandem rollout states its size on /ready and
+    in such a 503 (`on_ready`, `on_503`); an older one in neither."""
+
+    def __init__(self, size: int, *, on_ready: bool = True, on_503: bool = True):
+        self.size, self.on_ready, self.on_503, self.pending, self.peak = size, on_ready, on_503, 0, 0
+
+    def ready(self) -> httpx.Response:
+        return httpx.Response(200, json={"ready": True, **({"max_pending_requests": self.size} if self.on_ready else {})})
+
+    def answer(self, items: list[dict]) -> httpx.Response:
+        if self.pending + len(items) > self.size:
+            return httpx.Response(503, json={"detail": f"{len(items)} more do not fit", **({"max_pending_requests": self.size} if self.on_503 else {})})
+        self.pending += len(items)
+        self.peak = max(self.peak, self.pending)
+        return httpx.Response(200, stream=Run(self, items))
+
+
+class Run(httpx.AsyncByteStream):
+    def __init__(self, queue: Queue, items: list[dict]):
+        self.queue, self.items = queue, items
+
+    async def __aiter__(self):
+        await asyncio.sleep(0.01)  # the items run a while
+        self.queue.pending -= len(self.items)  # their slots are free before their lines go out
+        yield b"".join(map(line, self.items))
+
+
+def queued(queues: dict[str, Queue]) -> tuple[RemoteGenerator, list[tuple[str, list[dict]]]]:
+    """A RemoteGenerator over servers named by `queues`' keys, each with its Queue."""
+    posts: list[tuple[str, list[dict]]] = []
+
+    def route(request: httpx.Request) -> httpx.Response:
+        queue = queues[request.url.host]
+        if request.url.path != "/generate_batch":  # /ready, and the /health of the client's liveness probe
+            return queue.ready()
+        posts.append((request.url.host, json.loads(request.content)["items"]))
+        return queue.answer(posts[-1][1])
+
+    gen = RemoteGenerator(RemoteConfig(urls=tuple(f"http://{host}" for host in queues), max_retries=2))
+    gen.client.close()
+    gen.client = RolloutClient(gen.config, transport=httpx.MockTransport(route))
+    return gen, posts
+
+
+def test_each_server_is_sent_what_its_queue_takes_and_the_rest_as_calls_end():
+    """16 calls of one tick against queues of 3 and 5: on main each server got its 8 in one request, answered 503
+    (nothing started) on every retry, and every call failed. Now no request is refused and each queue is full."""
+    queues = {"a": Queue(3), "b": Queue(5)}
+    gen, posts = queued(queues)
+    completions = run(gen, [[i] for i in range(16)])
+    assert [c.token_ids for c in completions] == [[i, i] for i in range(16)], completions
+    assert sum(len(items) for _, items in posts) == 16 and (queues["a"].peak, queues["b"].peak) == (3, 5), posts
+
+
+def test_a_503_stating_the_queue_size_sends_the_calls_again_in_requests_that_fit():
+    """A server whose /ready did not say its size (e.g. it restarted with a smaller queue): its 503 says it, and
+    the calls go again in requests that fit, instead of whole until the retries run out (as on main)."""
+    gen, posts = queued({"a": Queue(3, on_ready=False)})
+    completions = run(gen, [[i] for i in range(8)])
+    assert [c.token_ids for c in completions] == [[i, i] for i in range(8)], completions
+    assert [len(items) for _, items in posts] == [8, 3, 3, 2], posts
+
+
+def test_a_server_that_states_no_queue_size_is_sent_the_whole_tick_as_before():
+    gen, posts = queued({"a": Queue(3, on_ready=False, on_503=False)})
+    errors = run(gen, [[i] for i in range(4)])
+    assert all(isinstance(e, ConnectionError) and "4 more do not fit" in str(e) and "gave up after 3 tries" in str(e) for e in errors), errors
+    assert [len(items) for _, items in posts] == [4, 4, 4]
+
+
 @pytest.mark.parametrize("text", ["a\u2028b", "c\x85d"])
 def test_results_split_on_newlines_only(text):
     gen, _ = generator(lambda _, items: httpx.Response(200, content=b"".join(line(i, text=text) for i in items)))

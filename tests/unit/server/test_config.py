@@ -39,3 +39,10 @@ def test_max_lora_rank_is_the_engines_and_not_negative():
 def test_drain_timeout_s_is_positive(value):
     with pytest.raises(ValueError, match="--drain_timeout_s must be > 0"):
         RolloutServerConfig(drain_timeout_s=value)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_pending_requests_admits_at_least_one(value):
+    """0 was taken, and the server then answered every request 503 'retry later' for good."""
+    with pytest.raises(ValueError, match="--max_pending_requests must be >= 1"):
+        RolloutServerConfig(max_pending_requests=value)

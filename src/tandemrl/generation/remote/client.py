@@ -3,9 +3,10 @@ calls that announce a weight update (the tensors travel in weights/, which uses 
 
 The client owns an event loop on a daemon thread, so sync callers get `concurrent.futures.Future`s and
 async callers await the same work. The calls submitted together leave together (batch.py: one
-request per server, split by fewest in flight); connection errors are retried with backoff within the
-deadline, then raised as one clear error; nothing waits forever, and no call waits on a server that
-has answered nothing (not even /health) for rollout_server_silence_s (liveness.py).
+request per server, split by fewest in flight, none past a server's queue); connection errors are
+retried with backoff within the deadline, then raised as one clear error; nothing waits forever, and
+no call waits on a server that has answered nothing (not even /health) for rollout_server_silence_s
+(liveness.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class RolloutClient:
         self._run(self._ensure_ready()).result()
 
     def readiness(self) -> list[dict[str, Any]]:
-        """Each server's /ready answer (model, policy_version, queue depth, update in progress)."""
+        """Each server's /ready answer (model, policy_version, queue depth and size, update in progress)."""
         return self._run(self._readiness()).result()
 
     def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
@@ -134,6 +135,7 @@ class RolloutClient:
                 try:
                     response = await self._http.get(url + "/ready", timeout=5.0)
                     if response.status_code == 200 or _awaits_weights(response):  # up: the trainer's push will serve it
+                        self._batcher.learn_capacity(url, response)
                         waiting.remove(url)
                         continue
                     last_error = f"{url} answered {response.status_code}: {response.text[:200]}"

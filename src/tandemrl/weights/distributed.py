@@ -89,13 +89,16 @@ class DistributedSync:
         master_addr = self.config.weight_sync_host or local_address_to(self.client.urls[0])
         specs = self.sender.plan(num_servers=len(self.client.urls), transport=transport, master_addr=master_addr)
         joins = asyncio.ensure_future(self.client.join_weight_group(specs, timeout_s=self.config.weight_sync_timeout_s + 10))
-        try:  # a server that dies while NCCL connects can hold torch's rendezvous past its timeout: bounded here
+        try:  # a server that dies while NCCL connects can hold torch's rendezvous past its timeout: bounded here, not by
+            # wait_for, which on 3.11 swallows a cancel arriving as the rendezvous ends (the cancelled publish went on to push)
             connect = in_daemon_thread(functools.partial(self.sender.connect, sample.device), name="weight-sync-connect")
-            await asyncio.wait_for(connect, self.config.weight_sync_timeout_s + JOIN_SLACK_S)
+            async with asyncio.timeout(self.config.weight_sync_timeout_s + JOIN_SLACK_S):
+                await connect
             await joins
         except Exception as error:
-            joins.cancel()
             raise ConnectionError(f"could not form the weight-sync group ({transport} at {master_addr}): {error}") from error
+        finally:  # failed or cancelled: the servers' joins are not left running
+            joins.cancel()
         log.info("weight-sync group %s formed with %d server(s) over %s", self.sender.group_id, len(self.client.urls), transport)
 
     async def _push_staged(self, weights: Iterable[tuple[str, Tensor]], version: int) -> Iterable[tuple[str, Tensor]] | None:

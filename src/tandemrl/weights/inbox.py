@@ -33,8 +33,9 @@ async def join(receiver: WeightReceiver, spec: dict[str, Any]) -> socket.socket 
     connect left behind (in a daemon thread) is dropped when it ends."""
     receiver.close()
     connect = in_daemon_thread(functools.partial(receiver.connect, spec), name="weight-sync-join")
-    try:
-        group = await asyncio.wait_for(connect, spec["timeout_s"] + JOIN_SLACK_S)
+    try:  # not wait_for, which on 3.11 swallows a cancel arriving as the rendezvous ends (the group then adopted)
+        async with asyncio.timeout(spec["timeout_s"] + JOIN_SLACK_S):
+            group = await connect
     except TimeoutError:
         raise TimeoutError(
             f"no weight-sync group at {spec['master_addr']}:{spec['master_port']} within {spec['timeout_s']:g} s "

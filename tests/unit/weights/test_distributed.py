@@ -320,3 +320,75 @@ def test_a_receive_that_fails_late_never_closes_the_group_formed_after_it():
     receiver.adopt("new", Group("new"))  # a new trainer joined
     receiver._drop(old)  # the receive left behind fails at last
     assert closed == ["old"] and receiver.group_id == "new"
+
+
+def _cancelled_as_it_ends(real):
+    """in_daemon_thread whose caller is cancelled in the very tick its thread's result arrives (its owner giving
+    up as the rendezvous completes): Python 3.11's asyncio.wait_for then returns the result, the cancel lost."""
+
+    def in_daemon_thread(call, *, name):
+        future, caller = real(call, name=name), asyncio.current_task()
+        future.add_done_callback(lambda _: caller.cancel())
+        return future
+
+    return in_daemon_thread
+
+
+def test_a_servers_join_cancelled_as_its_rendezvous_completes_is_cancelled_and_adopts_nothing(monkeypatch):
+    """On main (Python 3.11) the cancel was swallowed: the join returned and the server adopted the group of a
+    caller that had given up on it."""
+    from tandemrl.weights import inbox
+
+    config = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=10.0)
+    sender, receiver = WeightSender(config), WeightReceiver(torch.device("cpu"))
+    (spec,) = sender.plan(num_servers=1, transport="gloo", master_addr="127.0.0.1")
+    connecting = threading.Thread(target=sender.connect, args=(torch.device("cpu"),))
+    connecting.start()
+    monkeypatch.setattr(inbox, "in_daemon_thread", _cancelled_as_it_ends(inbox.in_daemon_thread))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(inbox.join(receiver, spec))
+        assert receiver.group_id is None
+    finally:
+        connecting.join(10)
+        sender.close()
+
+
+def test_a_trainers_group_formation_cancelled_as_its_rendezvous_completes_is_cancelled_with_its_joins(monkeypatch):
+    """On main (Python 3.11) the cancel was swallowed: the formation went on to wait for the servers' joins and
+    returned, so a publish its owner had cancelled went on to push a whole update."""
+    from tandemrl.weights import distributed
+
+    receiver, joins = WeightReceiver(torch.device("cpu")), []
+
+    class Client:
+        urls = ("http://127.0.0.1:1",)
+
+        async def servers_ready(self):
+            return [{"device_uuid": None}]
+
+        async def join_weight_group(self, specs, *, timeout_s):
+            joins.append("started")
+            try:
+                await asyncio.to_thread(receiver.join, specs[0])
+                await asyncio.sleep(10)  # the servers' answers still on their way
+            except asyncio.CancelledError:
+                joins.append("cancelled")
+                raise
+
+    config = DistributedSyncConfig(weight_sync_port=0, weight_sync_timeout_s=10.0, weight_sync_host="127.0.0.1")
+    sync = distributed.DistributedSync(config, Client())
+    monkeypatch.setattr(distributed, "in_daemon_thread", _cancelled_as_it_ends(distributed.in_daemon_thread))
+
+    async def form() -> None:
+        task = asyncio.ensure_future(sync._form_group(torch.zeros(1)))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.run(form())
+        assert joins == ["started", "cancelled"]
+    finally:
+        sync.sender.close()
+        receiver.close()

@@ -41,6 +41,7 @@ def test_an_unreachable_hub_is_offline_mode_in_seconds_with_what_to_do(tmp_path)
     result = tandem("train", "--task", "gsm8k", env=env)
     line = error_line(result)
     assert "not in the local Hugging Face cache and the hub is offline" in line and "Qwen/Qwen2.5-0.5B-Instruct" in line
+    assert "(hf download Qwen/Qwen2.5-0.5B-Instruct)" in line  # huggingface_hub 1.x has no huggingface-cli
     assert "hub (http://127.0.0.1:9) is unreachable: offline mode" in result.stderr
     assert time.monotonic() - started < 15
 

@@ -60,7 +60,7 @@ def check_cached(model: str) -> None:
     if _offline() and not _cached(model):
         raise FileNotFoundError(
             f"model {model!r} is not in the local Hugging Face cache and the hub is offline; download it once with "
-            "network access (huggingface-cli download ...), or pass --model with a local directory or tandem:tiny"
+            f"network access (hf download {model}), or pass --model with a local directory or tandem:tiny"
         )
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tandemrl.train.checkpoint import latest_checkpoint
+
 sys.path.insert(0, os.path.dirname(__file__))  # importlib import mode: the sibling module by path
 from test_train_cli import TINY, metrics, reward_file, tandem  # noqa: E402
 
@@ -265,6 +267,23 @@ def test_runs_started_together_get_their_own_directories_and_a_failed_run_leaves
     assert failed.returncode == 2 and (tmp_path / "runs" / "latest").resolve() == latest
     again = tandem("train", "--output_dir", str(runs[0]), "--max_steps", "1", *TINY)
     assert again.returncode == 2 and "already holds a run; pass --resume" in again.stderr
+
+
+@pytest.mark.slow  # ~15-30 s: four tandem processes
+def test_a_directory_a_live_run_writes_is_refused_to_a_second_run_which_moves_none_of_its_files(tmp_path, start_train):
+    """A second `tandem train --output_dir` of a run that had no checkpoint yet trained into the same
+    directory (its metrics, checkpoints and config.yaml among the first run's), or moved the live run's
+    files aside; it is one line now, exit 2, and the first run goes on."""
+    run_dir = tmp_path / "run"
+    first = start_train("--output_dir", str(run_dir), "--max_steps", "100000", "--save_steps", "0", *TINY)
+    wait_for(run_dir / "metrics.jsonl", first)
+    second = tandem("train", "--output_dir", str(run_dir), "--max_steps", "1", *TINY)
+    assert second.returncode == 2 and f"--output_dir {run_dir} is in use by a tandem train still running" in second.stderr, second.stderr[-2000:]
+    resumed = tandem("train", "--output_dir", str(run_dir), "--resume", "--max_steps", "1", *TINY)
+    assert resumed.returncode == 2 and "is in use by a tandem train still running" in resumed.stderr, resumed.stderr[-2000:]
+    assert first.poll() is None and not list(run_dir.glob("attempt-*")) and latest_checkpoint(run_dir) is None
+    first.send_signal(signal.SIGINT)
+    assert first.wait(60) == 130
 
 
 SMALL = ["--num_prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4"]

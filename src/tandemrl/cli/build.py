@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import fcntl
 import itertools
 import json
 import logging
@@ -295,27 +296,45 @@ def _run_dir(config: TrainConfig) -> Path:
         run_dir = Path(c.output_dir)
         if run_dir.exists() and not run_dir.is_dir():
             raise ValueError(f"--output_dir {run_dir} is a file; pass a directory (it is created if missing)")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _hold_run_lock(run_dir)  # before anything in it is read or moved: a run still writing it keeps it
         if not c.resume and latest_checkpoint(run_dir) is not None:
             raise ValueError(f"--output_dir {run_dir} already holds a run; pass --resume to continue it, or another --output_dir")
         if latest_checkpoint(run_dir) is None:
             _set_aside(run_dir, resumed=c.resume)
-        run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in itertools.count():
         run_dir = Path("runs") / (f"{stamp}-{n}" if n else stamp)
         try:
             run_dir.mkdir(parents=True)  # fails if it exists: two runs started in one second get two directories
-            return run_dir
         except FileExistsError:
             continue
+        _hold_run_lock(run_dir)
+        return run_dir
     raise AssertionError("unreachable")
+
+
+RUN_LOCK = ".tandem-run.lock"  # in a run directory: locked (flock) by the process training into it
+_held_locks: list[Any] = []  # their open files, for the process's life (the lock ends with the process)
+
+
+def _hold_run_lock(run_dir: Path) -> None:
+    """Two runs never share a directory: this process holds its lock until it exits, or the directory
+    is another live run's (a second `tandem train --output_dir` of it, or `--resume` while it runs)."""
+    lock = open(run_dir / RUN_LOCK, "a")  # held open for the process's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(f"--output_dir {run_dir} is in use by a tandem train still running; wait for it to end, or pass another --output_dir") from None
+    _held_locks.append(lock)
 
 
 def _set_aside(run_dir: Path, *, resumed: bool) -> None:
     """A run directory without a complete checkpoint (a run that failed before its first) is reused: the files
     of that attempt move to attempt-<date-time>/ inside it, said in one line."""
-    leftovers = [p for p in run_dir.iterdir() if not p.name.startswith("attempt-")] if run_dir.is_dir() else []
+    leftovers = [p for p in run_dir.iterdir() if not p.name.startswith("attempt-") and p.name != RUN_LOCK] if run_dir.is_dir() else []
     if not leftovers:
         if resumed:
             log.info("--resume: %s holds no run yet; starting it", run_dir)

@@ -283,13 +283,13 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
     """
     out = dict(values)
     _batch(out, notes, defaults)
-    if isinstance(out.get("max_steps"), (int, float, str)) and float(out["max_steps"]) < 0:
+    if isinstance(out.get("max_steps"), (int, float, str)) and _number("max_steps", out["max_steps"]) < 0:
         del out["max_steps"]  # TRL's -1: the epochs decide
         out.setdefault("num_train_epochs", 3.0)
         notes.append(f"TRL setting max_steps -1 -> --num_train_epochs {out['num_train_epochs']} decides the steps")
-    if out.get("num_train_epochs") is not None and float(out.get("max_steps", -1)) > 0:
+    if out.get("num_train_epochs") is not None and _number("max_steps", out.get("max_steps", -1)) > 0:
         notes.append(
-            f"max_steps {float(out['max_steps']):g} and num_train_epochs {float(out['num_train_epochs']):g} are both set: the epochs decide the steps here "
+            f"max_steps {float(out['max_steps']):g} and num_train_epochs {_number('num_train_epochs', out['num_train_epochs']):g} are both set: the epochs decide the steps here "
             "(TRL: a positive max_steps overrides the epochs); drop num_train_epochs to run max_steps"
         )
     forms = {"scale_rewards": _scale_rewards, "top_k": _top_k, "report_to": _report_to, "dtype": _dtype, "reward_funcs": _reward_funcs,
@@ -297,7 +297,7 @@ def finish(values: dict[str, Any], notes: list[str], *, defaults: dict[str, Any]
     for key, form in forms.items():
         if key in out and out[key] is not None:
             out[key] = form(out[key], notes)
-    max_steps = int(float(out.get("max_steps", defaults.get("max_steps", 1))))
+    max_steps = int(_number("max_steps", out.get("max_steps", defaults.get("max_steps", 1))))
     epochs = out.get("num_train_epochs", defaults.get("num_train_epochs"))  # when set, they decide the steps
     for key in ("logging_steps", "save_steps", "eval_steps"):
         if key in out and out[key] is not None:

@@ -75,6 +75,8 @@ def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path
     for text, message in [
         ("learning_rate: fast\n", "setting learning_rate: 'fast' is not a number"),
         ("max_steps: 2.5\n", "setting max_steps: 2.5 is not an integer"),
+        ("max_steps: many\n", "setting max_steps: 'many' is not a number"),  # was float()'s own words, naming no setting
+        ("max_steps: 5\nnum_train_epochs: x\n", "setting num_train_epochs: 'x' is not a number"),
         ("bf16: maybe\n", "setting bf16: 'maybe' is not true or false"),
         ("model: [a, b]\n", "setting model: ['a', 'b'] is not text"),
         ("learning_rate: [1\n", "is not plain YAML (line 2, column 1)"),

@@ -268,7 +268,7 @@ RESUME_MAY_CHANGE = frozenset({
     "logprob_mismatch_warning", "heartbeat_s", "eval_dataset", "eval_dataset_split", "eval_steps", "num_generations_eval",
     # where the rollouts and the judge run, and their deadlines
     "generator", "rollout_mode", "rollout_server_urls", "rollout_server_timeout", "rollout_server_silence_s", "generator_device",
-    "reward_model_url", "reward_model_max_concurrency", "reward_timeout_s", "tool_timeout_s", "trust_remote_code",
+    "reward_model_url", "reward_model_max_concurrency", "reward_timeout_s", "tool_timeout_s", "trust_remote_code", "ddp_timeout",
     # speed and memory: the same computation, placed, batched or scheduled otherwise
     "device", "sleep_level", "gpu_memory_utilization", "kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
     "prefill_wait_steps", "overlap_prefills", "enforce_eager", "decode_graphs", "tensor_parallel_size", "warm_up_turns",

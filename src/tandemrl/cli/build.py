@@ -21,7 +21,7 @@ import torch
 from tandemrl.cli import frozen_heap
 from tandemrl.cli.args import dump_yaml
 from tandemrl.cli.plan import gpu_bytes, memory_setup, model_config, plan_run, planned_peaks_gib, with_plan
-from tandemrl.cli.ranks import ServedByRankZero, Silent, start_ranks
+from tandemrl.cli.ranks import ServedByRankZero, Silent, one_line_when_a_rank_fails, start_ranks
 from tandemrl.config import RESUME_MAY_CHANGE, DataConfig, TrainConfig, changed_flags
 from tandemrl.data.cursor import PromptCursor
 from tandemrl.data.load import FILE_SPLIT, is_one_file, load_examples
@@ -98,12 +98,12 @@ def run(config: TrainConfig, plan: Plan | None = None) -> Path:
     if state is not None:
         set_rng_state(state["rng"])  # last: building the parts above must not move the RNGs
     try:
-        with frozen_heap():
+        with frozen_heap(), one_line_when_a_rank_fails(dp, run_dir, config.trainer.ddp_timeout):
             settings = dataclasses.replace(plan.loop, num_tokens_seen=_tokens_seen(run_dir, start_step), planned_peaks_gib=planned_peaks_gib(memory))
             asyncio.run(_main(parts, settings, start_step, config, judge_generator))
     except KeyboardInterrupt as interrupt:
         if dp.is_main:
-            print(f"tandem train: interrupted; {how_to_continue(run_dir)}", file=sys.stderr, flush=True)
+            print(f"tandem train: interrupted; {how_to_continue(run_dir, dp.world_size)}", file=sys.stderr, flush=True)
             interrupt.said = True  # type: ignore[attr-defined]  (cli/main's own "interrupted" line would repeat it)
         raise
     finally:

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             # stops every rank once one exits, so the others give rank 0 time to print and exit first
             time.sleep(RANK_EXIT_GRACE_S)
             return 1
-        print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
+        if not getattr(error, "said", False):  # cli/ranks says a lost rank at once
+            print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:
         if not getattr(interrupt, "said", False):  # cli/build says it once, with how to continue

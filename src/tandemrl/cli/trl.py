@@ -57,7 +57,7 @@ IGNORED_BECAUSE = {
     ),
     "torchrun starts FSDP2 by itself": (
         "fsdp", "fsdp_config", "accelerator_config", "parallelism_config", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
-        "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "local_rank", "average_tokens_across_devices",
+        "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "local_rank", "average_tokens_across_devices",
     ),
     "tandem's data path has no dataloader (prompts are tokenized once and drawn in --shuffle_dataset's order)": (
         "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",

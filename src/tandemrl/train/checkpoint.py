@@ -89,7 +89,7 @@ def save_checkpoint(
             raise
         if dp.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; the checkpoints before it are untouched
-        raise RunStopped(f"cannot write checkpoint-{step} in {run_dir}: {reason}; make room (disk space, ulimit -f), then {how_to_continue(run_dir)}") from None
+        raise RunStopped(f"cannot write checkpoint-{step} in {run_dir}: {reason}; make room (disk space, ulimit -f), then {how_to_continue(run_dir, dp.world_size)}") from None
     if dp.is_main:
         if final.exists():
             shutil.rmtree(final)
@@ -127,12 +127,15 @@ def disk_failure(error: BaseException, directory: Path) -> str | None:
     return None
 
 
-def how_to_continue(run_dir: Path) -> str:
-    """The command that continues a stopped run (its flags are in its checkpoint), or says none is needed."""
+def how_to_continue(run_dir: Path, ranks: int = 1) -> str:
+    """The command that continues a stopped run of `ranks` processes (its flags are in its checkpoint), or
+    says none is needed. Example (ranks 2): "continue from checkpoint-4 with: torchrun --nproc_per_node 2
+    -m tandemrl train --output_dir runs/x --resume"."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return f"no checkpoint yet in {run_dir}: run the same command with --output_dir {run_dir} to start it again in place"
-    return f"continue from {checkpoint.name} with: tandem train --output_dir {run_dir} --resume"
+    command = f"torchrun --nproc_per_node {ranks} -m tandemrl train" if ranks > 1 else "tandem train"
+    return f"continue from {checkpoint.name} with: {command} --output_dir {run_dir} --resume"
 
 
 def sharded_optimizer(checkpoint: Path) -> Path | None:

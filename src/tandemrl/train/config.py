@@ -57,6 +57,10 @@ class TrainerConfig:
     optimizer step; gradients accumulate in float32."""
     device: str = "auto"
     """Training device: auto (cuda if present), cpu or cuda."""
+    ddp_timeout: int = 1800
+    """TRL's name: under torchrun, seconds any collective among the ranks waits for the others: a rank that
+    stopped answering (hung, stopped, cut off) ends the run past it. Keep it above what one rank can run
+    ahead of the others (a step's generation and rewards; an evaluation, which rank 0 runs alone)."""
     router_aux_loss_coef: float = 0.0
     """Mixture-of-experts policies: weight of the router's load-balancing loss added to the policy loss
     (transformers' router_aux_loss_coef; 0 = off, the loss is still logged as train/router_aux_loss)."""
@@ -77,6 +81,8 @@ class TrainerConfig:
             raise ValueError(f"--lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.ddp_timeout < 1:
+            raise ValueError(f"--ddp_timeout must be >= 1 (seconds), got {self.ddp_timeout}")
         if self.max_skipped_steps < 1:
             raise ValueError("--max_skipped_steps must be >= 1")
         if self.max_tokens_per_microbatch < 0:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from tandemrl.algo.loss import combine_metrics
 
-OBJECT_TIMEOUT_S = 1800.0  # a rank waits this long at a gather for the slowest rank's generation and rewards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,9 +126,10 @@ class DataParallel:
 SINGLE = DataParallel()
 
 
-def init_data_parallel(use_cuda: bool) -> DataParallel:
+def init_data_parallel(use_cuda: bool, timeout_s: float = 1800.0) -> DataParallel:
     """The process group of a torchrun launch (WORLD_SIZE > 1): NCCL between GPUs (gloo on CPU) for FSDP,
-    plus a gloo group for host-side values. Without torchrun, or with one process: SINGLE."""
+    plus a gloo group for host-side values; a collective of either waits at most `timeout_s` (--ddp_timeout)
+    for the other ranks. Without torchrun, or with one process: SINGLE."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return SINGLE
@@ -138,11 +138,25 @@ def init_data_parallel(use_cuda: bool) -> DataParallel:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OBJECT_TIMEOUT_S))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    host_group = dist.new_group(backend="gloo", timeout=timeout)
     mesh = init_device_mesh("cuda" if use_cuda else "cpu", (world_size,))
     return DataParallel(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank, mesh=mesh, host_group=host_group)
+
+
+def lost_a_rank(error: BaseException) -> str | None:
+    """Why a collective among the ranks failed when `error` is one (a rank died, or stopped answering for
+    --ddp_timeout), else None: gloo's error without its source location, or NCCL's first line.
+
+    Example: RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22454. This is
+    typically caused by a remote worker crashing. ...") -> "Connection closed by peer [127.0.0.1]:22454"
+    """
+    text = str(error)
+    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "/gloo/" in text):
+        return None
+    return text.split("] ", 1)[-1].split(". ")[0].splitlines()[0]
 
 
 def close_data_parallel(dp: DataParallel) -> None:

@@ -26,6 +26,8 @@ def test_how_to_continue_names_the_resume_command_or_the_restart(tmp_path):
     (tmp_path / "checkpoint-4").mkdir()
     (tmp_path / "checkpoint-4" / "trainer_state.pt").write_bytes(b"")
     assert how_to_continue(tmp_path) == f"continue from checkpoint-4 with: tandem train --output_dir {tmp_path} --resume"
+    torchrun = "torchrun --nproc_per_node 2 -m tandemrl train"  # a run of 2 ranks goes on as it ran
+    assert how_to_continue(tmp_path, ranks=2) == f"continue from checkpoint-4 with: {torchrun} --output_dir {tmp_path} --resume"
 
 
 def test_a_missing_sink_package_is_an_error_before_anything_loads(monkeypatch):

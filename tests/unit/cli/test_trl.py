@@ -154,6 +154,16 @@ def test_trls_optimizer_keys_reach_the_trainer(tmp_path):
     assert parse(["--adam_epsilon", "1e-5"])[0].trainer.adam_epsilon == 1e-5 and parse([])[0].trainer.adam_epsilon == 1e-8
 
 
+def test_trls_ddp_timeout_bounds_every_collective_among_the_ranks(tmp_path):
+    """ddp_timeout was ignored with an info line, every collective waiting gloo's 30 minutes (a stopped rank
+    hung the run that long: test_train_torchrun_faults.py); it is the collectives' deadline, TRL's default."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("ddp_timeout: 60\n")
+    assert parse(["--config", str(path)])[0].trainer.ddp_timeout == 60 and parse([])[0].trainer.ddp_timeout == 1800
+    with pytest.raises(ValueError, match="--ddp_timeout must be >= 1"):
+        parse(["--ddp_timeout", "0"])
+
+
 def test_shuffle_dataset_is_honoured(tmp_path):
     """TRL's shuffle_dataset (default true) was ignored with an info line: false is the dataset's order now."""
     path = tmp_path / "grpo.yaml"

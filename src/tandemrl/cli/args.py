@@ -221,7 +221,9 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
 
 
 def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
-    if value is None or kind not in (None, int, float, str):  # None, or a kind YAML already gives whole (a dict)
+    if kind is _json_object and value is not None:
+        return _mapping(name, value)
+    if value is None or kind not in (None, int, float, str):  # None, or a kind YAML already gives whole
         return value
     if kind is None:
         return to_bool(name, value)
@@ -240,6 +242,18 @@ def _coerce_one(name: str, value: Any, kind: Any, choices: list | None) -> Any:
     if choices is not None and result not in choices:
         raise ValueError(f"setting {name}: {value!r} is not one of {', '.join(map(str, choices))}{did_you_mean(str(value), map(str, choices))}")
     return result
+
+
+def _mapping(name: str, value: Any) -> dict[str, Any]:
+    """A dict setting's value: a yaml mapping, or a JSON object's text (as the flag takes it)."""
+    if isinstance(value, str):
+        try:
+            value = _json_object(value)
+        except argparse.ArgumentTypeError:
+            pass
+    if not isinstance(value, dict):
+        raise ValueError(f"setting {name}: {value!r} is not a mapping (write its keys indented under it, or a JSON object)")
+    return value
 
 
 def load_yaml(path: str) -> dict[str, Any]:

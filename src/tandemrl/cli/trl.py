@@ -228,7 +228,9 @@ def _translate_one(key: str, value: Any, values: dict[str, Any], out: dict[str, 
         if to_bool(key, value):
             out["sleep_level"] = 2  # TRL sleeps vLLM at level 2 (KV cache and weights)
     elif key == "vllm_mode":
-        out["rollout_mode"] = "server" if value == "server" else "colocate"
+        if value not in ("server", "colocate"):
+            raise ValueError(f"setting vllm_mode: {value!r} is not one of server, colocate")
+        out["rollout_mode"] = value
         if value == "server" and not values.get("vllm_server_base_url"):
             host, port = values.get("vllm_server_host") or "0.0.0.0", values.get("vllm_server_port") or 8000
             out["rollout_server_urls"] = [f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"]

@@ -69,9 +69,10 @@ def test_a_field_added_later_gets_its_flag_group_and_help_without_edits():
 
 def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path):
     good = tmp_path / "good.yaml"
-    good.write_text("learning_rate: 1e-6\nmax_steps: '3'\nreward_weights: [1, '0.5']\n")
+    good.write_text("learning_rate: 1e-6\nmax_steps: '3'\nreward_weights: [1, '0.5']\nmodel_init_kwargs: '{\"revision\": \"main\"}'\n")
     config, _ = parse(["--config", str(good)])
     assert config.trainer.learning_rate == 1e-6 and config.run.max_steps == 3 and config.reward.reward_weights == (1.0, 0.5)
+    assert config.run.model_init_kwargs == {"revision": "main"}  # a JSON object's text, as the flag takes it
     for text, message in [
         ("learning_rate: fast\n", "setting learning_rate: 'fast' is not a number"),
         ("max_steps: 2.5\n", "setting max_steps: 2.5 is not an integer"),
@@ -79,6 +80,8 @@ def test_yaml_values_are_coerced_by_the_field_type_and_wrong_ones_named(tmp_path
         ("max_steps: 5\nnum_train_epochs: x\n", "setting num_train_epochs: 'x' is not a number"),
         ("bf16: maybe\n", "setting bf16: 'maybe' is not true or false"),
         ("model: [a, b]\n", "setting model: ['a', 'b'] is not text"),
+        ("generation_kwargs: x\n", "setting generation_kwargs: 'x' is not a mapping"),  # an AttributeError's traceback
+        ("chat_template_kwargs: [1]\n", "setting chat_template_kwargs: [1] is not a mapping"),  # taken as is
         ("learning_rate: [1\n", "is not plain YAML (line 2, column 1)"),
         ("model: !!python/object/apply:os.system [echo]\n", "is not plain YAML"),
     ]:

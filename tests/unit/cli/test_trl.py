@@ -106,6 +106,8 @@ def test_trl_names_on_the_command_line():
     assert config.engine.gpu_memory_utilization == 0.5 and config.algo.tis_cap == 0.0 and config.lora.lora_r == 16
     config, _ = parse(["--vllm_mode", "server", "--vllm_server_port", "8001", "--vllm_enable_sleep_mode", "false"])
     assert config.generation.rollout_mode == "server" and config.generation.rollout_server_urls == ("http://127.0.0.1:8001",)
+    with pytest.raises(ValueError, match="setting vllm_mode: 'Server' is not one of server, colocate"):
+        parse(["--vllm_mode", "Server"])  # was colocate, silently (TRL refuses it)
 
 
 def test_a_trl_flag_over_a_yaml_of_its_linked_keys_wins_and_keeps_the_others(tmp_path):

@@ -131,14 +131,15 @@ def _add_native_routes(app: FastAPI, service: RolloutService, prompter: Prompter
             r.text = prompter.decode(r.token_ids)
         return CollectResponse(results=results, pending=pending)
 
-    @app.post("/abort", summary="Abort requests by id; their results finish with reason abort. 404 when none is known")
+    @app.post("/abort", summary="Abort requests by id: they finish with reason abort; those already finished keep their results, answered as finished. 404 when none is known")
     async def abort(body: AbortRequest) -> dict[str, list[str]]:
         unknown = service.known(body.request_ids)
         known = [i for i in body.request_ids if i not in unknown]
         if not known:
             _check_known(service, body.request_ids)  # raises 404
-        service.abort(known)  # the others may have just finished: not an error when some are known
-        return {"aborted": known, "unknown": unknown}
+        finished = service.abort(known)  # the others may have just been collected: not an error when some are known
+        done = set(finished)
+        return {"aborted": [i for i in known if i not in done], "finished": finished, "unknown": unknown}
 
 
 def _add_admin_routes(app: FastAPI, service: RolloutService) -> None:

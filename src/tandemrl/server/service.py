@@ -232,9 +232,9 @@ class RolloutService:
                 pending.append(request_id)
         return results, pending
 
-    def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._entries[request_id].task.cancel()
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Cancels each; returns those that had already finished: a cancel cannot undo them, their results stand."""
+        return [request_id for request_id in request_ids if not self._entries[request_id].task.cancel()]
 
     def result(self, request_id: str, task: asyncio.Task) -> Result:
         if task.cancelled():

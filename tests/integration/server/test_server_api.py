@@ -49,6 +49,26 @@ def test_abort_by_id_finishes_the_request_with_abort(server):
     assert server.post("/abort", {"request_ids": ["nope"]}).status_code == 404
 
 
+def test_an_abort_says_which_requests_had_already_finished_and_their_results_stand(server):
+    """The answer listed every known id as aborted, those that had finished (and ended 'length') too."""
+    done = server.post("/generate", {"prompt": "y", "is_async": True, **GREEDY}).json()["request_ids"]
+    _until_nothing_runs(server)
+    assert server.post("/abort", {"request_ids": done}).json() == {"aborted": [], "finished": done, "unknown": []}
+    assert server.post("/collect", {"request_ids": done, "timeout_s": 60}).json()["results"][0]["finish_reason"] == "length"
+    ids = server.post("/generate", {"prompt": "x", "n": 4, "is_async": True, "max_tokens": 120, "ignore_eos": True}).json()["request_ids"]
+    answer = server.post("/abort", {"request_ids": ids}).json()  # running, or finished if this abort came late: each as answered
+    results = server.post("/collect", {"request_ids": ids, "timeout_s": 60}).json()["results"]
+    said = {**dict.fromkeys(answer["aborted"], "abort"), **dict.fromkeys(answer["finished"], "length")}
+    assert {r["request_id"]: r["finish_reason"] for r in results} == said and sorted(said) == sorted(ids)
+
+
+def _until_nothing_runs(server, deadline_s: float = 10) -> None:
+    deadline = time.monotonic() + deadline_s
+    while server.metrics()["tandem_requests_running"] > 0:
+        assert time.monotonic() < deadline, f"requests still running after {deadline_s} s"
+        time.sleep(0.1)
+
+
 def test_bad_requests_are_4xx_with_a_message_and_disturb_no_other_request(server):
     good = server.post("/generate", {"prompt": "steady", "is_async": True, **GREEDY}).json()["request_ids"]
     bad = [
@@ -133,10 +153,7 @@ def test_batch_item_is_abortable_by_id_and_a_hang_up_aborts_the_batch(server):
     assert lines["gone"]["finish_reason"] in ("abort", "length") and lines["kept"]["finish_reason"] == "length"
     with httpx.stream("POST", server.url + "/generate_batch", json={"items": [{"request_id": "hung", **long}]}, timeout=30):
         pass  # hangs up before any line
-    for _ in range(100):
-        if server.metrics()["tandem_requests_running"] == 0:
-            break
-        time.sleep(0.1)
+    _until_nothing_runs(server)
     assert server.post("/abort", {"request_ids": ["hung"]}).status_code == 404  # forgotten once aborted
 
 

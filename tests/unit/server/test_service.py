@@ -319,6 +319,21 @@ def test_async_results_are_collected_once_and_aborts_finish_with_abort():
     asyncio.run(scenario())
 
 
+def test_an_abort_that_comes_after_the_request_finished_returns_it_and_its_result_stands():
+    async def scenario():
+        log: list[str] = []
+        gen, service = make(log)
+        done_id, running_id = service.submit([1], PARAMS, 1) + service.submit([2], PARAMS, 1)
+        await until(lambda: len(gen.release) == 2)
+        gen.release["r1"].set()
+        await until(lambda: "end r1" in log)
+        assert service.abort([done_id, running_id]) == [done_id]
+        results, _ = await service.collect([done_id, running_id], timeout_s=5)
+        assert [r.finish_reason for r in results] == ["length", "abort"]
+
+    asyncio.run(scenario())
+
+
 def test_a_batch_starts_whole_or_not_at_all():
     async def scenario():
         gen, service = make([], max_pending=3)

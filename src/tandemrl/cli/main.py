@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 2
     except RunStopped as error:
-        if os.environ.get("RANK", "0") != "0":
+        if not rank_zero():
             # under torchrun every rank stops at the same point for the same reason, and rank 0 says it; torchrun
             # stops every rank once one exits, so the others give rank 0 time to print and exit first
             time.sleep(RANK_EXIT_GRACE_S)
@@ -57,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:
-        if not getattr(interrupt, "said", False):  # cli/build says it once, with how to continue
+        # cli/build says it once, with how to continue; torchrun forwards Ctrl-C to every rank, and rank 0 says it
+        if not getattr(interrupt, "said", False) and rank_zero():
             print(f"tandem {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def rank_zero() -> bool:
+    """Whether this process says what ends a run: a lone process, or rank 0 under torchrun (which sets RANK)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def versions() -> str:

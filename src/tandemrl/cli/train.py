@@ -18,6 +18,7 @@ from typing import Any
 
 from tandemrl.cli import trl
 from tandemrl.cli.args import ArgumentParser, add_config_args, build_config, check_known, dump_yaml, load_yaml, to_bool
+from tandemrl.cli.main import rank_zero
 from tandemrl.config import LEAVES, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,8 @@ def ctrl_c_ends_the_run(grace_s: float = 10.0):
     the process exits. A second SIGINT exits at once."""
 
     def exit_now() -> None:
-        print("tandem train: interrupted", file=sys.stderr, flush=True)
+        if rank_zero():  # torchrun sends every rank the Ctrl-C: rank 0 says it
+            print("tandem train: interrupted", file=sys.stderr, flush=True)
         os._exit(130)
 
     def on_sigint(signum: int, frame: Any) -> None:

@@ -59,3 +59,18 @@ def test_log_lines_follow_stdout_and_the_stderr_of_the_moment(monkeypatch):
     monkeypatch.setattr(sys, "stderr", err)  # as the progress bar's redirect does, after the handler exists
     handler.emit(logging.LogRecord("tandemrl", logging.INFO, __file__, 1, "hello", None, None))
     assert err.getvalue() == "INFO hello\n" and order == ["stdout flushed"]
+
+
+@pytest.mark.parametrize("rank, said", [("0", "tandem train: interrupted\n"), ("1", "")])
+def test_ctrl_c_under_torchrun_is_said_by_rank_zero_alone(monkeypatch, capsys, rank, said):
+    """torchrun forwards a terminal's Ctrl-C to every rank: rank 0 says it (with how to continue, when the
+    run had started), the others stay quiet, as they do for a RunStopped."""
+    import tandemrl.cli.train
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(tandemrl.cli.train, "main", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == said

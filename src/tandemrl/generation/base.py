@@ -118,10 +118,13 @@ class EngineSettings:
     the router still trains through those experts' probabilities)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.prefill_wait_steps < 0:
-            raise ValueError(f"--prefill_wait_steps must be >= 0, got {self.prefill_wait_steps}")
+        least = {"tensor_parallel_size": 1, "block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+                 "prefill_wait_steps": 0, "max_model_len": 0, "kv_cache_tokens": 0}  # fmt: skip
+        for name, bound in least.items():
+            if getattr(self, name) < bound:
+                raise ValueError(f"--{name} must be >= {bound}, got {getattr(self, name)}")
+        if not 0 <= self.gpu_memory_utilization <= 1:  # NaN too
+            raise ValueError(f"--gpu_memory_utilization is a fraction of the GPU's memory, from 0 (the default) to 1, got {self.gpu_memory_utilization}")
 
     def memory_fraction(self, *, colocated: bool) -> float:
         """The one default of --gpu_memory_utilization: less when the trainer shares the GPU."""

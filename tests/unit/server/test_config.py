@@ -27,6 +27,22 @@ def test_tensor_parallel_size_must_be_positive():
     assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("max_model_len", -5, "--max_model_len must be >= 0"), ("block_size", 0, "--block_size must be >= 1"),
+     ("max_num_seqs", 0, "--max_num_seqs must be >= 1"), ("max_num_batched_tokens", 0, "--max_num_batched_tokens must be >= 1"),
+     ("kv_cache_tokens", -1, "--kv_cache_tokens must be >= 0"), ("gpu_memory_utilization", 2.0, "--gpu_memory_utilization is a fraction"),
+     ("gpu_memory_utilization", float("nan"), "--gpu_memory_utilization is a fraction")],
+)  # fmt: skip
+def test_engine_sizes_out_of_range_are_one_line_not_a_traceback(field, value, message):
+    """Each was taken: max_model_len -5 and block_size 0 raised out of the engine's build (a traceback),
+    max_num_seqs 0 an AssertionError, and the rest served or trained on nonsense."""
+    from tandemrl.generation.base import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})
+
+
 def test_max_lora_rank_is_the_engines_and_not_negative():
     assert RolloutServerConfig(max_lora_rank=16).max_lora_rank == 16
     with pytest.raises(ValueError, match="--max_lora_rank needs --backend engine"):

@@ -7,6 +7,7 @@ Leaves live beside the code they configure; the ones here belong to the run as a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +54,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
+        if self.num_train_epochs is not None and not 0 < self.num_train_epochs < math.inf:  # 0 trained a step
+            raise ValueError(f"--num_train_epochs must be > 0 (or unset: --max_steps decides), got {self.num_train_epochs}")
         if not 0 <= self.seed <= MAX_RUN_SEED:  # -1 was refused as the seed derived from it: "got -100003300009"
             raise ValueError(f"--seed must be in [0, {MAX_RUN_SEED}], got {self.seed}")
 

@@ -75,6 +75,11 @@ class TrainerConfig:
             raise ValueError(f"--max_grad_norm must be a finite number >= 0 (0 = no clipping), got {self.max_grad_norm}")
         if not 0 <= self.adam_epsilon < math.inf:
             raise ValueError(f"--adam_epsilon must be a finite number >= 0, got {self.adam_epsilon}")
+        for name in ("adam_beta1", "adam_beta2"):  # torch's own words named no flag: "Invalid beta parameter at index 0"
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.logprob_chunk_size < 1 or self.warmup_steps < 0:  # 0 was "range() arg 3 must not be zero"; -1 taken
+            raise ValueError(f"--logprob_chunk_size must be >= 1 and --warmup_steps >= 0, got {self.logprob_chunk_size} and {self.warmup_steps}")
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"--router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):

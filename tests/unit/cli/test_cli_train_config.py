@@ -204,6 +204,10 @@ def test_generation_kwargs_override_sampling_flags_and_the_rest_need_hf():
         (["--learning_rate", "inf"], "--learning_rate must be a finite number > 0"),  # caught only by the checkpoint guard
         (["--seed", "-1"], r"--seed must be in \[0, 16777215\], got -1$"),  # said "got -100003300009"
         (["--rollout_server_silence_s", "0"], "--rollout_server_silence_s must be a number of seconds > 0"),
+        (["--logprob_chunk_size", "0"], "--logprob_chunk_size must be >= 1"),  # was "range() arg 3 must not be zero"
+        (["--adam_beta1", "1"], r"--adam_beta1 must be in \[0, 1\), got 1.0"),  # torch's "Invalid beta parameter at index 0"
+        (["--warmup_steps", "-1"], "--warmup_steps >= 0"),  # taken
+        (["--num_train_epochs", "0"], "--num_train_epochs must be > 0"),  # trained a step
     ],
 )
 def test_non_finite_and_out_of_range_values_are_one_line_naming_the_flag(flags, message):

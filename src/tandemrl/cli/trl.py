@@ -197,9 +197,16 @@ def translate_keys(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         before = dict(out)
         _translate_one(key, value, values, out)
         changed = {k: v for k, v in out.items() if before.get(k, _UNSET) != v}
-        said = ", ".join(f"--{k} {_show(v)}" for k, v in changed.items()) or "nothing (its default)"
+        said = ", ".join(f"--{k} {_show(v)}" for k, v in changed.items()) or _unchanged(key, values)
         notes.append(f"TRL setting {key}: {_show(value)} -> {said}")
     return out
+
+
+def _unchanged(key: str, values: dict[str, Any]) -> str:
+    """What a TRL key that set no flag did: read with the keys it goes with (dataset_config into dataset_name's
+    --dataset), else nothing. Example: ("dataset_config", {"dataset_name": "d", ...}) -> "read with dataset_name"."""
+    partners = [k for group in LINKED if key in group for k in group if k != key and values.get(k) is not None]
+    return f"read with {', '.join(partners)}" if partners else "nothing (its default)"
 
 
 _UNSET = object()

@@ -74,6 +74,14 @@ def test_trl_docs_yaml_translates_with_one_line_each(tmp_path, caplog):
         assert sum(key in line for line in lines) == 1, (key, lines)
 
 
+def test_a_trl_key_read_with_another_says_so_not_that_it_is_a_default(caplog):
+    """dataset_config main, folded into dataset_name's --dataset, was logged '-> nothing (its default)'."""
+    with caplog.at_level(logging.INFO, logger="tandemrl.cli.train"):
+        config, _ = parse(["--dataset_name", "openai/gsm8k", "--dataset_config", "main"])
+    assert config.data.dataset == "openai/gsm8k:main"
+    assert "TRL setting dataset_config: main -> read with dataset_name" in [r.message for r in caplog.records]
+
+
 def test_trl_value_forms_on_the_command_line():
     config, _ = parse(["--bf16", "false", "--scale_rewards", "true", "--top_k", "0", "--logging_steps", "0.1", "--report_to", "tensorboard"])
     assert config.trainer.bf16 is False and config.algo.scale_rewards == "group" and config.generation.top_k == -1

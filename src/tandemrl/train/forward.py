@@ -132,15 +132,21 @@ def forward_plan(config: TrainerConfig, model: Any, dp: DataParallel = SINGLE) -
     set_triton(on_cuda and config.triton_logprobs)
     if dp.enabled:  # FSDP2's mixed precision replaces the compute twin
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            _checkpoint_activations(model)
         return plan
     if mixed:
         plan.compute = ComputeWeights(model, torch.bfloat16)
     forward = plan.compute.model if plan.compute is not None else model
     if config.gradient_checkpointing:
-        forward.gradient_checkpointing_enable()
+        _checkpoint_activations(forward)
     plan._prepare(forward)
     return plan
+
+
+def _checkpoint_activations(model: Any) -> None:
+    """transformers' activation checkpointing, by its current name where it has one (gradient_checkpointing_enable
+    warns a FutureWarning from 5.2x; TRL's yaml default, gradient_checkpointing true, showed it every run)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
 
 def packed_logprobs(

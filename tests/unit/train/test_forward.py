@@ -158,3 +158,17 @@ def test_mixed_precision_publishes_the_refreshed_16_bit_twin_under_the_masters_n
         for name, master in masters.items():
             assert published[name].dtype == torch.bfloat16
             assert torch.equal(published[name], master.detach().to(torch.bfloat16)), name  # this version's, not the last forward's
+
+
+def test_gradient_checkpointing_turns_on_without_transformers_deprecation_warning():
+    """gradient_checkpointing_enable warned a FutureWarning (transformers 5.2x) at every --gradient_checkpointing
+    run, TRL's yaml default; the current name is called where transformers has it."""
+    import warnings
+
+    from tandemrl.train.forward import forward_plan
+
+    model = build_model(build_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        forward_plan(TrainerConfig(gradient_checkpointing=True, device="cpu"), model)
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing

@@ -28,6 +28,15 @@ def test_no_model_names_the_built_in_one():
     assert "or --model tandem:tiny" in error_line(tandem("train", "--dataset", "data.jsonl"))
 
 
+def test_a_directory_that_holds_no_model_is_one_line_saying_so(tmp_path):
+    """An empty (or a run's) directory as --model was transformers' "Unrecognized model in ..." in tandem train
+    and "You need to have sentencepiece or tiktoken installed" in tandem rollout."""
+    (tmp_path / "empty").mkdir()
+    for command in (["train"], ["rollout", "--port", "0"]):
+        line = error_line(tandem(*command, "--model", str(tmp_path / "empty")))
+        assert f"directory {str(tmp_path / 'empty')!r} holds no model (no config.json)" in line, line
+
+
 def test_a_missing_data_file_is_reported_before_the_model_loads(tiny_model_dir):
     started = time.monotonic()
     line = error_line(tandem("train", "--model", tiny_model_dir, "--dataset", "missing.jsonl", "--reward_funcs", "length"))

@@ -28,12 +28,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+MODEL_FILES = ("config.json", "adapter_config.json", "tokenizer_config.json", "tokenizer.json")  # what loads from a directory
+
+
 def _check_source(name: str) -> None:
     if not name:
         raise ValueError("no model given; pass --model with a Hugging Face id or a local directory")
     looks_local = name.startswith((".", "/", "~")) or os.sep in name and name.count("/") != 1
-    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+    path = os.path.expanduser(name)
+    if looks_local and not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {name!r} does not exist; pass an existing directory or a hub id")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in MODEL_FILES):
+        raise FileNotFoundError(
+            f"directory {name!r} holds no model (no config.json): pass a directory written by save_pretrained, a "
+            "tandem train checkpoint-N, or a hub id"
+        )  # transformers' words were "Unrecognized model", or for a tokenizer "You need to have sentencepiece"
 
 
 def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:

@@ -127,3 +127,11 @@ def test_lora_with_an_engine_split_over_both_ranks_trains_as_one_rank(tmp_path):
     a, b = (load_file(d / "checkpoint-2" / "adapter_model.safetensors") for d in (split_dir, one_dir))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     AutoModelForCausalLM.from_pretrained(split_dir / "checkpoint-2" / "merged")  # gathered from every rank, loadable as is
+
+
+def test_a_bad_flag_under_torchrun_is_one_line_from_rank_zero(tmp_path):
+    """Every rank parses the same flags: rank 0 says the error, the others are stopped by torchrun unheard."""
+    _, result = torchrun_train(tmp_path / "run", "--logprob_chunk_size", "0")
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if line.startswith("tandem train: error:")]
+    assert said == ["tandem train: error: --logprob_chunk_size must be >= 1 and --warmup_steps >= 0, got 0 and 0"], result.stderr[-3000:]

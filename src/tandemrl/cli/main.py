@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.main(argv[1:])
     except (ValueError, OSError) as error:  # OSError: a path that cannot be written, a server that cannot be reached
+        if not rank_zero():  # under torchrun a bad flag is bad on every rank: rank 0 says it, and torchrun stops
+            time.sleep(RANK_EXIT_GRACE_S)  # this rank once rank 0 exits; an error of this rank's own is said after
         print(f"tandem {argv[0]}: error: {error}", file=sys.stderr)
         return 2
     except RunStopped as error:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
-    if argv[0] == "--version":
+    if argv[0] == "--version" or (argv[0] in COMMANDS and "--version" in argv[1:]):  # `tandem train --version` too
         print(versions())
         return 0
     if argv[0] not in COMMANDS:

@@ -13,10 +13,12 @@ from tandemrl.cli.main import main
 from tandemrl.cli.train import parse
 
 
-def test_version_names_tandem_and_its_main_dependencies(capsys):
+@pytest.mark.parametrize("argv", [["--version"], ["train", "--version"], ["rollout", "--max_model_len", "64", "--version"]])
+def test_version_names_tandem_and_its_main_dependencies(capsys, argv):
+    """`tandem train --version` too, as `pip --version` after a command: it was 'unknown flag (did you mean --epsilon?)'."""
     import tandemrl
 
-    assert main(["--version"]) == 0
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"tandem {tandemrl.__version__} (torch ") and "transformers " in out
 

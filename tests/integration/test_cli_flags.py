@@ -105,3 +105,14 @@ def test_help_group_descriptions_are_whole_sentences(train_help):
     assert "beside the trainer's base or merged into a copy of its own (--lora_engine; train/lora.py). --lora_r" in text
     rollout_help = " ".join(tandem("rollout", "--help").stdout.split())
     assert "A model source (ignored when the trainer hands its model in colocate mode) plus the engine's settings. --gpu_memory_utilization" in rollout_help
+
+
+def test_a_run_stopped_by_bad_input_before_writing_leaves_no_run_directory(tmp_path):
+    """A run that stops before its first file (bad data here) leaves no empty runs/<date-time> (it left one, holding
+    only its lock file); an --output_dir the user made stays."""
+    (tmp_path / "d.jsonl").write_text('{"question": "hi"}\n')
+    (tmp_path / "mine").mkdir()
+    for output_dir in ([], ["--output_dir", "out"], ["--output_dir", "mine"]):
+        result = tandem("train", "--model", "tandem:tiny", "--dataset", "d.jsonl", "--max_steps", "1", *output_dir, cwd=str(tmp_path))
+        assert "no 'prompt' column" in one_line_error(result)
+    assert not list((tmp_path / "runs").glob("*")) and not (tmp_path / "out").exists() and (tmp_path / "mine").is_dir()

@@ -4,6 +4,8 @@ loop (after parsing, so the heavy imports here never slow `--help`). Nothing her
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import dataclasses
 import datetime
 import fcntl
@@ -12,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -296,8 +299,9 @@ def _run_dir(config: TrainConfig) -> Path:
         run_dir = Path(c.output_dir)
         if run_dir.exists() and not run_dir.is_dir():
             raise ValueError(f"--output_dir {run_dir} is a file; pass a directory (it is created if missing)")
+        created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
-        _hold_run_lock(run_dir)  # before anything in it is read or moved: a run still writing it keeps it
+        _hold_run_lock(run_dir, created=created)  # before anything in it is read or moved: a run still writing it keeps it
         if not c.resume and latest_checkpoint(run_dir) is not None:
             raise ValueError(f"--output_dir {run_dir} already holds a run; pass --resume to continue it, or another --output_dir")
         if latest_checkpoint(run_dir) is None:
@@ -310,7 +314,7 @@ def _run_dir(config: TrainConfig) -> Path:
             run_dir.mkdir(parents=True)  # fails if it exists: two runs started in one second get two directories
         except FileExistsError:
             continue
-        _hold_run_lock(run_dir)
+        _hold_run_lock(run_dir, created=True)
         return run_dir
     raise AssertionError("unreachable")
 
@@ -319,9 +323,10 @@ RUN_LOCK = ".tandem-run.lock"  # in a run directory: locked (flock) by the proce
 _held_locks: list[Any] = []  # their open files, for the process's life (the lock ends with the process)
 
 
-def _hold_run_lock(run_dir: Path) -> None:
+def _hold_run_lock(run_dir: Path, *, created: bool) -> None:
     """Two runs never share a directory: this process holds its lock until it exits, or the directory
-    is another live run's (a second `tandem train --output_dir` of it, or `--resume` while it runs)."""
+    is another live run's (a second `tandem train --output_dir` of it, or `--resume` while it runs).
+    `created`: this process made run_dir, and removes it at exit if the run wrote nothing there."""
     lock = open(run_dir / RUN_LOCK, "a")  # held open for the process's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -329,6 +334,15 @@ def _hold_run_lock(run_dir: Path) -> None:
         lock.close()
         raise ValueError(f"--output_dir {run_dir} is in use by a tandem train still running; wait for it to end, or pass another --output_dir") from None
     _held_locks.append(lock)
+    if created:  # a run stopped before its first file (bad data, a missing model) leaves no empty directory
+        atexit.register(_drop_if_unused, run_dir)
+
+
+def _drop_if_unused(run_dir: Path) -> None:
+    """Removes run_dir if it holds nothing but its lock file."""
+    with contextlib.suppress(OSError):
+        if [p.name for p in run_dir.iterdir()] == [RUN_LOCK]:
+            shutil.rmtree(run_dir)
 
 
 def _set_aside(run_dir: Path, *, resumed: bool) -> None:

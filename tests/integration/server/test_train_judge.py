@@ -74,7 +74,9 @@ def test_a_judge_server_whose_queue_is_smaller_than_a_step_scores_every_completi
 
 def test_the_judge_servers_requests_are_aborted_at_the_reward_deadline(tiny_model_dir, tiny_tokenizer):
     """Replies of 340 tokens (~1.4 s on a CPU) and a reward deadline of 0.3 s: the reward call ends with the
-    deadline, and its 4 requests end on the server as aborted, not left running to their end."""
+    deadline, and its 4 requests end on the server as aborted, not left running to their end. A first call
+    (1 token) warms the client up: a cold one spent the deadline on its readiness check and chat template
+    (0.65 s on a busy machine), so no request reached the server and none was aborted."""
     import asyncio
     import time
 
@@ -87,10 +89,11 @@ def test_the_judge_servers_requests_are_aborted_at_the_reward_deadline(tiny_mode
 
     server = start_server(tiny_model_dir, "--max_model_len", "512")
     generator = RemoteGenerator(RemoteConfig(urls=(server.url,)))
-    judge = build_judge(JudgeConfig(reward_model=tiny_model_dir, reward_model_max_tokens=340), generator=generator, tokenizer=tiny_tokenizer)
+    judges = [build_judge(JudgeConfig(reward_model=tiny_model_dir, reward_model_max_tokens=n), generator=generator, tokenizer=tiny_tokenizer) for n in (1, 340)]
     try:
+        asyncio.run(score([RewardFunc(name="reward_model", fn=judges[0])], None, ["p"] * 4, ["c"] * 4, {}, timeout_s=60))
         with pytest.raises(RewardTimeoutError):
-            asyncio.run(score([RewardFunc(name="reward_model", fn=judge)], None, ["p"] * 4, ["c"] * 4, {}, timeout_s=0.3))
+            asyncio.run(score([RewardFunc(name="reward_model", fn=judges[1])], None, ["p"] * 4, ["c"] * 4, {}, timeout_s=0.3))
         deadline = time.monotonic() + 5
         while (metrics := server.metrics())["tandem_requests_running"] and time.monotonic() < deadline:
             time.sleep(0.05)

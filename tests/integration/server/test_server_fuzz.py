@@ -106,16 +106,22 @@ def test_oversize_bodies_are_413_and_oversize_prompts_400_without_stalling_the_s
     assert chunked.status_code == 413  # no Content-Length: counted as read
     answer = httpx.post(server.url + "/generate", json={"prompt": "y" * 1_000_001, "max_tokens": 4}, timeout=60)
     assert answer.status_code == 400 and "--max_prompt_chars" in answer.text
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a long prompt is tokenized off the event loop
-        long = pool.submit(httpx.post, server.url + "/v1/completions", json={"prompt": "hello world " * 80_000, "max_tokens": 4}, timeout=120)
-        worst = 0.0
-        while not long.done():
-            started = time.monotonic()
-            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-            worst = max(worst, time.monotonic() - started)
-            time.sleep(0.05)
-        assert long.result().status_code == 400  # longer than max_model_len, once tokenized
+    long, worst = _beside(server, "/v1/completions", json={"prompt": "hello world " * 80_000, "max_tokens": 4})  # tokenized off the loop
+    assert long.status_code == 400  # longer than max_model_len, once tokenized
     assert worst < 1.0, worst
+
+
+def _beside(server, path: str, **request) -> tuple[httpx.Response, float]:
+    """POSTs `request` to `path` and, until it answers, /health again and again: (its answer, /health's longest wait)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, server.url + path, timeout=120, **request)
+        worst = 0.0
+        while not big.done():
+            started = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.01)
+        return big.result(), worst
 
 
 def test_a_body_of_millions_of_token_ids_holds_the_event_loop_little_longer_than_its_json_parse(server):
@@ -134,15 +140,8 @@ def test_a_body_of_millions_of_token_ids_holds_the_event_loop_little_longer_than
         started = time.monotonic()
         json.loads(raw)
         parse_s = time.monotonic() - started
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            big = pool.submit(httpx.post, server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=120)
-            worst = 0.0
-            while not big.done():
-                started = time.monotonic()
-                assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-                worst = max(worst, time.monotonic() - started)
-                time.sleep(0.01)
-        assert big.result().status_code < 500
+        answer, worst = _beside(server, path, content=raw, headers={"content-type": "application/json"})
+        assert answer.status_code < 500
         assert worst < 3 * parse_s + 0.3, (path, len(raw), worst, parse_s)
 
 
